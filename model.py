@@ -1,0 +1,554 @@
+"""
+The policy model: Qwen2 / Qwen2.5 / Qwen3 / Llama-3 decoders in plain torch, HF safetensors in and
+out, a packed ("remove padding") forward, chunked token log-probs + entropy, and the tokenizer
+with its chat template (tokenizers + jinja2, no transformers at run time).
+
+Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), so a checkpoint
+loads by name and the rollout engine receives HF-named tensors without a mapping table.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class ModelConfig:
+    architecture: str = "Qwen2ForCausalLM"
+    vocab_size: int = 151936
+    hidden_size: int = 1536
+    intermediate_size: int = 8960
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
+    tie_word_embeddings: bool = False
+    attention_bias: bool = True  # q/k/v biases (Qwen2); o_proj never has one
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json, for saving
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; nanodapo supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs heads % kv_heads == 0"
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Read an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+        arch = (d.get("architectures") or [None])[0]
+        if arch is None:  # a config saved without a model: fall back on model_type
+            arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(
+                d.get("model_type"), d.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r} in config.json; nanodapo supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
+            raise ValueError(f"unsupported MLP (hidden_act={d.get('hidden_act')}, mlp_bias={d.get('mlp_bias')}); "
+                             "nanodapo implements SwiGLU with silu and no MLP bias")
+        if d.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=true is not supported; nanodapo uses full attention in every layer")
+        rope = dict(d.get("rope_parameters") or {})
+        rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "default":
+                scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"unsupported rope scaling {kind!r}; nanodapo supports none or 'llama3'")
+        qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
+            rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=True if qwen2 else d.get("attention_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM", max_position_embeddings=d.get("max_position_embeddings", 32768),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), hf_config=dict(d))
+
+    def to_hf(self, dtype: torch.dtype) -> dict:
+        """An HF config.json dict that transformers and vLLM load."""
+        d = dict(self.hf_config)
+        model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+        d.update(architectures=[self.architecture], model_type=model_type[self.architecture],
+                 vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                 intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                 num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                 head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                 rope_scaling=self.rope_scaling, tie_word_embeddings=self.tie_word_embeddings,
+                 max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
+                 torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=self.bos_token_id,
+                 eos_token_id=self.eos_token_id)
+        d.pop("rope_parameters", None)  # rope_theta/rope_scaling above are read by transformers 4 and 5
+        if self.architecture != "Qwen2ForCausalLM":
+            d["attention_bias"] = self.attention_bias
+        return d
+
+    def num_params(self) -> int:
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        block = attn + 3 * h * self.intermediate_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * block + emb + h
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies in fp32, with Llama-3 frequency-dependent scaling when configured."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    s = cfg.rope_scaling
+    if s is not None:  # llama3: keep high frequencies, divide low ones by factor, interpolate between
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, D]; cos/sin [..., T, 1, D/2] (HF's rotate-half convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+# -----------------------------------------------------------------------------
+# attention: the one place that chooses a kernel
+
+
+@dataclass
+class AttnBatch:
+    """How the tokens of one forward attend to each other; built once, shared by every layer.
+
+    padded  ([B, T], nothing set): causal within each row.
+    packed  (cu_seqlens): one flat row of documents, causal within each document only.
+    decode  (kv_cache + cache_pos): one new token per row, attending to that row's cache up to cache_pos.
+    """
+    cu_seqlens: torch.Tensor | None = None  # int32 [docs + 1] document boundaries of a packed row
+    max_seqlen: int = 0
+    kv_cache: list | None = None  # per layer (k, v), each [rows, kv_heads, max_len, head_dim]
+    cache_pos: torch.Tensor | None = None  # [rows] position the new token is written at
+    cache_len: int = 0  # attend over cache[:, :, :cache_len]
+    collect_kv: list | None = None  # prefill: per layer (k, v) [tokens, kv_heads, head_dim] is appended here
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+
+def _varlen_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, T, KVH, D] -> [B, T, H, D]."""
+    B, T, H, D = q.shape
+    if batch.kv_cache is not None:  # decode: q is one token per row; k/v are already in the cache
+        return _decode_attention(q, batch)
+    if batch.cu_seqlens is None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=H != k.shape[2])
+        return out.transpose(1, 2)
+    # packed documents (B == 1)
+    if _varlen_available(q.device):
+        from torch.nn.attention.varlen import varlen_attn
+        if H != k.shape[2]:  # varlen_attn wants equal heads
+            k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
+        cu = batch.cu_seqlens.to(torch.int32)
+        out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, is_causal=True)
+        return out.unsqueeze(0)
+    if batch._mask is None:  # block-diagonal causal mask, made once per forward (CPU / fallback path)
+        doc = torch.repeat_interleave(torch.arange(len(batch.cu_seqlens) - 1, device=q.device),
+                                      torch.diff(batch.cu_seqlens).to(q.device))
+        idx = torch.arange(T, device=q.device)
+        batch._mask = (doc[:, None] == doc[None, :]) & (idx[:, None] >= idx[None, :])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=batch._mask, enable_gqa=H != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _decode_attention(q, batch: AttnBatch) -> torch.Tensor:
+    k_cache, v_cache = batch._layer_kv
+    L = batch.cache_len
+    if batch._mask is None:  # row r sees cache positions <= cache_pos[r]
+        batch._mask = (torch.arange(L, device=q.device)[None, :] <= batch.cache_pos[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :L], v_cache[:, :, :L],
+                                         attn_mask=batch._mask, enable_gqa=q.shape[2] != k_cache.shape[1])
+    return out.transpose(1, 2)
+
+
+# -----------------------------------------------------------------------------
+# modules (names follow HF so state dicts match)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch: AttnBatch, layer_idx: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if batch.collect_kv is not None:
+            batch.collect_kv.append((k[0], v[0]))
+        if batch.kv_cache is not None:  # write the new token's k/v at each row's position
+            k_cache, v_cache = batch.kv_cache[layer_idx]
+            rows = torch.arange(B, device=x.device)
+            k_cache[rows, :, batch.cache_pos] = k[:, 0]
+            v_cache[rows, :, batch.cache_pos] = v[:, 0]
+            batch._layer_kv = (k_cache, v_cache)
+        y = attention(q, k, v, batch)
+        return self.o_proj(y.reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, batch: AttnBatch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, self.layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False  # activation checkpointing per decoder block
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def init_weights(self, std: float = 0.02, seed: int | None = None):
+        """Random init (tests, benchmarks, the demo's warm start): normal(0, std), zero biases, unit norms."""
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.data.copy_(torch.randn(m.weight.shape, generator=g) * std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.data.zero_()
+            elif isinstance(m, RMSNorm):
+                m.weight.data.fill_(1.0)
+        self.inv_freq = rope_inv_freq(self.config).to(self.lm_head.weight.device)
+        return self
+
+    def forward(self, input_ids, position_ids=None, batch: AttnBatch | None = None, *, target_ids=None,
+                temperature: float = 1.0, with_entropy: bool = False, logprob_chunk: int = 1024):
+        """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
+        (log p(target), entropy or None), each [B, T] in fp32, computed in chunks of logprob_chunk tokens.
+
+        Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
+        """
+        batch = batch or AttnBatch()
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(input_ids.device)  # [B, T, D/2]
+        cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, batch)
+        h = self.model.norm(x)
+        if target_ids is None:
+            return self.lm_head(h)
+        # computed here (inside forward) so FSDP has lm_head's weight unsharded
+        logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.lm_head.weight, target_ids.flatten(),
+                                               temperature, logprob_chunk, with_entropy)
+        return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
+
+
+# -----------------------------------------------------------------------------
+# token log-probs and entropy, without [tokens, vocab] in fp32 for the whole batch
+
+
+def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy: bool):
+    logits = (h @ weight.t()).float() / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = logsumexp(z) - sum softmax(z) z
+    return logp, ent
+
+
+def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
+                               with_entropy: bool = False):
+    """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32.
+
+    logits / temperature is the same transform the rollout engines sample from. Under autograd each
+    chunk is recomputed in backward, so only one chunk of fp32 logits exists at any time.
+    """
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        args = (hidden[s:s + chunk], weight, target_ids[s:s + chunk], temperature, with_entropy)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprob_entropy, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprob_entropy(*args)
+        logps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+    return logp, (torch.cat(ents) if with_entropy and ents else None)
+
+
+def pack_sequences(seqs: list[list[int]], device=None):
+    """Documents -> (input_ids [1, N], position_ids [1, N], AttnBatch with cu_seqlens) for the packed path."""
+    lens = [len(s) for s in seqs]
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
+    pos = torch.cat([torch.arange(n) for n in lens]).to(device)[None]
+    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+    return ids, pos, AttnBatch(cu_seqlens=cu, max_seqlen=max(lens))
+
+
+# -----------------------------------------------------------------------------
+# HF checkpoints in and out
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_config(path: str) -> ModelConfig:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json in model directory {path!r}; model_path must be an HF model "
+                                "directory (config.json + *.safetensors), e.g. one saved by save_pretrained")
+    return ModelConfig.from_hf(_read_json(cfg_path))
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        return sorted({os.path.join(path, f) for f in _read_json(index)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}; "
+                            "nanodapo reads HF safetensors checkpoints (convert .bin with transformers' save_pretrained)")
+
+
+def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu") -> Transformer:
+    """Load an HF checkpoint straight into the module: built on the meta device, materialized on
+    `device`, then filled tensor by tensor, so there is never a second copy of the model."""
+    from safetensors import safe_open
+    cfg = load_config(path)
+    files = safetensors_files(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device).to(dtype)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    if cfg.tie_word_embeddings:  # to_empty breaks the tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    loaded = set()
+    for f in files:
+        with safe_open(f, framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {name!r} in {f}: not part of a {cfg.architecture} "
+                                     "with this config.json (wrong architecture or config?)")
+                t = sf.get_tensor(name)
+                if t.shape != params[name].shape:
+                    raise ValueError(f"shape mismatch for {name!r} in {f}: checkpoint {tuple(t.shape)}, "
+                                     f"config.json implies {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(t)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return model
+
+
+def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = 5 * 2**30, state_dict=None):
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes) that transformers
+    and vLLM load. `state_dict` overrides model.state_dict() (e.g. full tensors gathered from FSDP)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    sd = state_dict if state_dict is not None else model.state_dict()
+    sd = {k: v.detach().contiguous().cpu() for k, v in sd.items()
+          if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    dtype = next(iter(sd.values())).dtype
+    shards, cur, size = [], {}, 0
+    for k, v in sd.items():
+        nbytes = v.numel() * v.element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v, size + nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf(dtype), f, indent=2)
+
+
+# -----------------------------------------------------------------------------
+# tokenizer + chat template (tokenizers and jinja2; renders like transformers' apply_chat_template)
+
+
+def _token_str(t):
+    return t.get("content") if isinstance(t, dict) else t
+
+
+class Tokenizer:
+    def __init__(self, tok, chat_template: str | None, special: dict, eos_token_ids: list[int]):
+        self.tok = tok  # tokenizers.Tokenizer
+        self.chat_template = chat_template
+        self.special = special  # bos_token, eos_token, pad_token, unk_token -> str
+        self.eos_token_ids = eos_token_ids
+        self._template = None
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise FileNotFoundError(f"no tokenizer.json in {path!r}; nanodapo reads fast-tokenizer files "
+                                    "(save the tokenizer with transformers' save_pretrained to produce one)")
+        tok = HFTokenizer.from_file(tj)
+        tc_path = os.path.join(path, "tokenizer_config.json")
+        tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
+        template = tc.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+        special = {k: _token_str(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        eos = []
+        if special["eos_token"] is not None and tok.token_to_id(special["eos_token"]) is not None:
+            eos.append(tok.token_to_id(special["eos_token"]))
+        gc_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gc_path):
+            g = _read_json(gc_path).get("eos_token_id")
+            eos += [i for i in (g if isinstance(g, list) else [g]) if i is not None and i not in eos]
+        return cls(tok, template, special, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+                             "chat_template.jinja); add one, or give prompts that are already templated")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        ctx = {k: v for k, v in self.special.items() if v is not None}
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **ctx, **kwargs)
+        return self.encode(text) if tokenize else text
+
+
+def _compile_template(source: str):
+    """The same jinja environment transformers uses: sandboxed, trim_blocks, lstrip_blocks,
+    loop controls, a non-escaping tojson, raise_exception and strftime_now."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

@@ -1,0 +1,377 @@
+"""Specification of data.py: verl-schema parquet in, prompt ids / index batches out."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import data
+from data import (DataError, PromptSampler, balanced_micro_batches, check_parquet_schema,
+                  load_prompts, make_arith_rows, write_parquet)
+
+
+class CharTokenizer:
+    """One token per character (id = ord); template: role initial + content per message, then '>'."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        text = "".join(m["role"][0].upper() + m["content"] for m in messages)
+        text += ">" if add_generation_prompt else ""
+        return [ord(c) for c in text] if tokenize else text
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+TOK = CharTokenizer()
+
+
+def ids(s):
+    return [ord(c) for c in s]
+
+
+def row(content, gt="1", ds="test", **extra):
+    return {"data_source": ds, "prompt": [{"role": "user", "content": content}], "ability": "t",
+            "reward_model": {"style": "rule", "ground_truth": gt}, "extra_info": extra or {"index": 0}}
+
+
+def write(tmp_path, name, rows):
+    path = str(tmp_path / name)
+    write_parquet(rows, path)
+    return path
+
+
+def load(files, **kw):
+    kw.setdefault("max_prompt_length", 100)
+    return load_prompts(files, TOK, **kw)
+
+# -----------------------------------------------------------------------------
+# parquet in verl's schema
+
+def test_round_trip_nested_schema(tmp_path):
+    rows = [
+        {"data_source": "math_dapo", "ability": "MATH",
+         "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+         "reward_model": {"style": "rule", "ground_truth": "42"},
+         "extra_info": {"split": "train", "index": 7}},
+        {"data_source": "gsm8k", "ability": "math", "prompt": [{"role": "user", "content": "ab"}],
+         "reward_model": {"style": "rule", "ground_truth": "3"}, "extra_info": {"split": "train", "index": 8}},
+    ]
+    path = write(tmp_path, "train.parquet", rows)
+    schema = pq.read_schema(path)
+    assert pa.types.is_list(schema.field("prompt").type)
+    assert pa.types.is_struct(schema.field("reward_model").type)
+    assert pa.types.is_struct(schema.field("extra_info").type)
+    items = load([path])
+    assert items[0] == {"prompt_ids": ids("SsUq>"), "data_source": "math_dapo", "ground_truth": "42",
+                        "extra_info": {"split": "train", "index": 7},
+                        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}
+    assert items[1]["prompt_ids"] == ids("Uab>")
+    assert items[1]["data_source"] == "gsm8k"
+
+
+def test_plain_string_prompt_and_list_ground_truth(tmp_path):
+    # a file written by other tools: prompt is a string column, ground truth a list, no extra_info
+    table = pa.table({"data_source": ["x"], "prompt": ["hi"],
+                      "reward_model": [{"style": "rule", "ground_truth": ["1", "one"]}]})
+    path = str(tmp_path / "s.parquet")
+    pq.write_table(table, path)
+    (item,) = load([path])
+    assert item["messages"] == [{"role": "user", "content": "hi"}]
+    assert item["prompt_ids"] == ids("Uhi>")
+    assert item["ground_truth"] == ["1", "one"]
+    assert item["extra_info"] == {}
+
+
+def test_multiple_files_concatenate_in_order(tmp_path):
+    a = write(tmp_path, "a.parquet", [row("a"), row("b")])
+    b = write(tmp_path, "b.parquet", [row("c")])
+    assert [it["prompt_ids"] for it in load([a, b])] == [ids("Ua>"), ids("Ub>"), ids("Uc>")]
+    assert [it["prompt_ids"] for it in load([b, a])] == [ids("Uc>"), ids("Ua>"), ids("Ub>")]
+
+# -----------------------------------------------------------------------------
+# max_prompt_length: truncation, filtering, max_samples
+
+@pytest.mark.parametrize("mode,max_len,expected", [
+    # "Uabcdef>" is 8 tokens
+    ("left", 3, "ef>"), ("right", 3, "Uab"), ("middle", 3, "Uf>"),   # middle: first 1 + last 2
+    ("left", 4, "def>"), ("right", 4, "Uabc"), ("middle", 4, "Uaf>"),  # middle: first 2 + last 2
+    ("left", 1, ">"), ("right", 1, "U"), ("middle", 1, ">"),          # middle: first 0 + last 1
+    ("left", 8, "Uabcdef>"), ("middle", 9, "Uabcdef>"),               # fits: untouched
+])
+def test_truncation_modes(tmp_path, mode, max_len, expected):
+    path = write(tmp_path, "t.parquet", [row("abcdef"), row("x")])
+    items = load([path], max_prompt_length=max_len, truncation=mode)
+    assert items[0]["prompt_ids"] == ids(expected)
+    assert items[1]["prompt_ids"] == ids("Ux>")[:max_len] if max_len < 3 else ids("Ux>")
+
+
+def test_overlong_with_truncation_error_names_row_and_fixes(tmp_path):
+    path = write(tmp_path, "long.parquet", [row("a"), row("abcdef")])
+    with pytest.raises(DataError) as e:
+        load([path], max_prompt_length=5)
+    msg = str(e.value)
+    for phrase in ["long.parquet", "row 1", "8 tokens", "max_prompt_length=5",
+                   "filter_overlong_prompts=True", "truncation=left/right/middle"]:
+        assert phrase in msg
+
+
+def test_filter_overlong_drops_and_reports(tmp_path, capsys):
+    # templated lengths 5, 8, 4, 6 with max 5: rows 1 and 3 go
+    path = write(tmp_path, "f.parquet", [row("abc"), row("abcdef"), row("ab"), row("abcd")])
+    items = load([path], max_prompt_length=5, filter_overlong_prompts=True)
+    assert [it["prompt_ids"] for it in items] == [ids("Uabc>"), ids("Uab>")]
+    assert "dropped 2 of 4" in capsys.readouterr().out
+
+
+def test_filter_everything_is_an_error(tmp_path):
+    path = write(tmp_path, "f.parquet", [row("abcdef")])
+    with pytest.raises(DataError, match="dropped all 1"):
+        load([path], max_prompt_length=3, filter_overlong_prompts=True)
+
+
+def test_max_samples_counts_after_filtering(tmp_path):
+    a = write(tmp_path, "a.parquet", [row("abcdef"), row("a")])
+    b = write(tmp_path, "b.parquet", [row("b"), row("c")])
+    items = load([a, b], max_prompt_length=5, filter_overlong_prompts=True, max_samples=2)
+    assert [it["prompt_ids"] for it in items] == [ids("Ua>"), ids("Ub>")]
+    assert len(load([a, b], max_samples=-1)) == 4
+    assert len(load([a, b], max_samples=3)) == 3
+
+
+def test_unknown_truncation_mode(tmp_path):
+    path = write(tmp_path, "a.parquet", [row("a")])
+    with pytest.raises(DataError, match="unknown truncation mode 'both'.*left"):
+        load([path], truncation="both")
+
+# -----------------------------------------------------------------------------
+# errors on bad files and rows
+
+def test_missing_column_names_file_column_and_fix(tmp_path):
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(pa.table({"data_source": ["x"], "prompt": ["hi"]}), path)
+    for call in (lambda: load([path]), lambda: check_parquet_schema([path])):
+        with pytest.raises(DataError) as e:
+            call()
+        msg = str(e.value)
+        assert "missing column 'reward_model'" in msg and "train.parquet" in msg
+        assert "python data.py jsonl2parquet" in msg
+
+
+def test_custom_prompt_key(tmp_path):
+    path = str(tmp_path / "q.parquet")
+    pq.write_table(pa.table({"data_source": ["x"], "question": ["hi"],
+                             "reward_model": [{"ground_truth": "1"}]}), path)
+    assert load([path], prompt_key="question")[0]["prompt_ids"] == ids("Uhi>")
+    with pytest.raises(DataError, match="missing column 'prompt'"):
+        load([path])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="not found: .*nope.parquet"):
+        load([str(tmp_path / "nope.parquet")])
+
+
+@pytest.mark.parametrize("bad,column", [
+    ({"prompt": [{"role": "user"}]}, "'prompt'"),                      # no content
+    ({"prompt": []}, "'prompt'"),                                      # no messages
+    ({"reward_model": {"style": "rule", "ground_truth": None}}, "ground_truth"),
+])
+def test_malformed_row_names_file_row_column(tmp_path, bad, column):
+    bad_row = {**row("b"), **bad}
+    good = row("a")
+    good["prompt"] = bad_row["prompt"] if bad_row["prompt"] else good["prompt"]
+    path = str(tmp_path / "bad.parquet")
+    pq.write_table(pa.Table.from_pylist([row("a"), bad_row]), path)
+    with pytest.raises(DataError) as e:
+        load([path])
+    msg = str(e.value)
+    assert "bad.parquet row 1" in msg and column in msg
+
+
+def test_check_parquet_schema(tmp_path):
+    a = write(tmp_path, "a.parquet", [row("a"), row("b")])
+    b = write(tmp_path, "b.parquet", [row("c")])
+    assert check_parquet_schema([a, b]) == 3
+
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("not parquet")
+    with pytest.raises(DataError, match="junk.parquet is not a readable parquet file"):
+        check_parquet_schema([a, str(junk)])
+
+    empty = str(tmp_path / "empty.parquet")
+    pq.write_table(pa.Table.from_pylist([row("a")]).slice(0, 0), empty)
+    with pytest.raises(DataError, match="empty.parquet has 0 rows"):
+        check_parquet_schema([empty])
+
+    with pytest.raises(DataError, match="no data files"):
+        check_parquet_schema([])
+
+    no_gt = str(tmp_path / "nogt.parquet")
+    pq.write_table(pa.table({"data_source": ["x"], "prompt": ["p"], "reward_model": [{"style": "rule"}]}), no_gt)
+    with pytest.raises(DataError, match="'reward_model' in .*nogt.parquet .*ground_truth"):
+        check_parquet_schema([no_gt])
+
+# -----------------------------------------------------------------------------
+# sampler
+
+def test_sampler_without_shuffle_walks_in_order_across_epochs():
+    s = PromptSampler(5, seed=0, shuffle=False)
+    assert s.next_indices(3) == [0, 1, 2]
+    assert (s.epoch, s.consumed) == (0, 3)
+    assert s.next_indices(4) == [3, 4, 0, 1]  # straddles the epoch boundary
+    assert (s.epoch, s.consumed) == (1, 7)
+    assert s.next_indices(3) == [2, 3, 4]
+    assert (s.epoch, s.consumed) == (2, 10)  # epoch names where the next index comes from
+
+
+def test_sampler_every_epoch_is_a_permutation_and_epochs_differ():
+    s = PromptSampler(10, seed=3)
+    epochs = [s.next_indices(10) for _ in range(3)]
+    assert all(sorted(e) == list(range(10)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert PromptSampler(10, seed=4).next_indices(10) != epochs[0]
+    assert PromptSampler(10, seed=3).next_indices(10) == epochs[0]
+
+
+@pytest.mark.parametrize("first", [0, 4, 10, 13, 20])  # mid-epoch, exactly at epoch ends, straddling
+def test_sampler_resume_gives_uninterrupted_order(first):
+    straight = PromptSampler(10, seed=1)
+    expected = straight.next_indices(first) + straight.next_indices(7) + straight.next_indices(7)
+
+    s = PromptSampler(10, seed=1)
+    got = s.next_indices(first)
+    state = json.loads(json.dumps(s.state_dict()))  # plain ints survive a round trip
+    resumed = PromptSampler(10, seed=999)            # the seed comes from the state
+    resumed.load_state_dict(state)
+    got += resumed.next_indices(7) + resumed.next_indices(7)
+    assert got == expected
+    assert resumed.consumed == first + 14
+
+
+def test_sampler_state_at_epoch_end_resumes_at_next_epoch():
+    # verl #5725: a state saved exactly at an epoch's end must not resume with zero steps
+    s = PromptSampler(4, seed=0, shuffle=False)
+    s.next_indices(4)
+    assert s.state_dict() == {"epoch": 1, "position": 0, "seed": 0, "num_prompts": 4}
+    r = PromptSampler(4, seed=0, shuffle=False)
+    r.load_state_dict(s.state_dict())
+    assert (r.epoch, r.consumed) == (1, 4)
+    assert r.next_indices(2) == [0, 1]
+
+
+def test_sampler_rejects_state_from_other_data():
+    s = PromptSampler(4, seed=0)
+    with pytest.raises(DataError, match="saved with 5 prompts"):
+        s.load_state_dict({"epoch": 0, "position": 1, "seed": 0, "num_prompts": 5})
+
+# -----------------------------------------------------------------------------
+# token-budget micro-batching
+
+def check_packing(lengths, mbs, max_token_len):
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
+    assert all(mb == sorted(mb) and mb for mb in mbs)
+    assert all(sum(lengths[i] for i in mb) <= max_token_len for mb in mbs)
+
+
+@pytest.mark.parametrize("lengths,max_len,expected", [
+    ([3, 3, 3, 3], 12, [[0, 1, 2, 3]]),          # all fit in one
+    ([5, 5, 5, 5], 10, [[0, 2], [1, 3]]),        # 20 tokens / 10 -> 2
+    ([6, 6, 6], 10, [[0], [1], [2]]),            # no two fit together
+    ([7, 3, 6, 4], 10, [[0, 1], [2, 3]]),        # 7+3 and 6+4
+    ([7, 7, 6], 10, [[0], [1], [2]]),            # ceil(20/10) = 2 cannot fit: grow to 3
+    ([2, 9, 1], 10, [[1, 2], [0]]),              # heaviest micro-batch first
+])
+def test_micro_batches_minimal_count(lengths, max_len, expected):
+    mbs = balanced_micro_batches(lengths, max_len)
+    check_packing(lengths, mbs, max_len)
+    assert mbs == expected
+
+
+def test_micro_batches_balanced():
+    # 18 tokens into (at least) 2 micro-batches: 4+3+2 and 4+3+2, not 4+4+3+3 and 2+2
+    lengths = [4, 4, 3, 3, 2, 2]
+    assert balanced_micro_batches(lengths, 100, min_num_micro_batches=2) == [[0, 2, 4], [1, 3, 5]]
+    assert balanced_micro_batches(lengths, 100, min_num_micro_batches=3) == [[0, 4], [1, 5], [2, 3]]
+
+
+def test_micro_batches_many_random_lengths():
+    import random
+    rnd = random.Random(0)
+    for _ in range(50):
+        lengths = [rnd.randint(1, 50) for _ in range(rnd.randint(1, 40))]
+        mbs = balanced_micro_batches(lengths, 64, min_num_micro_batches=rnd.randint(1, len(lengths)))
+        check_packing(lengths, mbs, 64)
+        assert len(mbs) >= -(-sum(lengths) // 64)
+
+
+def test_micro_batches_oversized_sequence():
+    with pytest.raises(DataError) as e:
+        balanced_micro_batches([3, 12], 10)
+    msg = str(e.value)
+    assert "12 tokens" in msg and "10" in msg and "ppo_max_token_len_per_gpu" in msg
+    assert "max_prompt_length + max_response_length" in msg
+
+# -----------------------------------------------------------------------------
+# demo task, CLI
+
+def test_arith_rows_schema_and_answers():
+    rows = make_arith_rows(50, "train", seed=0)
+    assert len(rows) == 50
+    for i, r in enumerate(rows):
+        assert set(r) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+        assert r["data_source"] == "arith" and r["ability"] == "arith"
+        (msg,) = r["prompt"]
+        assert msg["role"] == "user" and msg["content"].endswith("=")
+        a, b = map(int, msg["content"][:-1].split("+"))
+        assert 0 <= a <= 99 and 0 <= b <= 99
+        assert r["reward_model"] == {"style": "rule", "ground_truth": str(a + b)}
+        assert r["extra_info"] == {"split": "train", "index": i}
+    assert len({r["prompt"][0]["content"] for r in rows}) == 50  # no duplicates below pool size
+    assert make_arith_rows(50, "train", seed=0) == rows
+    assert make_arith_rows(50, "train", seed=1) != rows
+
+
+def test_arith_splits_disjoint():
+    # max_operand 9: 100 problems in all; ask for more than each pool holds to get all of it
+    train = {r["prompt"][0]["content"] for r in make_arith_rows(2000, "train", max_operand=9)}
+    val = {r["prompt"][0]["content"] for r in make_arith_rows(2000, "val", max_operand=9)}
+    assert not train & val
+    assert len(train | val) == 100
+    assert 5 <= len(val) <= 30  # about 15%
+
+
+def test_make_arith_cli_writes_loadable_files(tmp_path):
+    data.main(["make-arith", str(tmp_path / "arith"), "--train", "20", "--val", "5"])
+    train, val = str(tmp_path / "arith/train.parquet"), str(tmp_path / "arith/val.parquet")
+    assert check_parquet_schema([train]) == 20 and check_parquet_schema([val]) == 5
+    item = load([train])[0]
+    assert item["prompt_ids"] == ids("U" + item["messages"][0]["content"] + ">")
+
+
+def test_jsonl2parquet_round_trip(tmp_path):
+    rows = [row("a", gt="1", split="train", index=0),
+            {"data_source": "x", "prompt": "plain", "reward_model": {"ground_truth": ["2", "two"]}}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    dst = str(tmp_path / "out" / "out.parquet")
+    data.main(["jsonl2parquet", str(src), dst])
+    a, b = load([dst])
+    assert a["prompt_ids"] == ids("Ua>") and a["ground_truth"] == "1"
+    assert a["extra_info"] == {"split": "train", "index": 0}
+    assert b["prompt_ids"] == ids("Uplain>") and b["ground_truth"] == ["2", "two"]
+
+
+@pytest.mark.parametrize("line,phrase", [
+    ('{"data_source": "x", "prompt": "p"}', "line 2: missing key 'reward_model'"),
+    ('{"data_source": "x", "prompt": "p", "reward_model": {}}', "line 2, column 'reward_model.ground_truth'"),
+    ('{"data_source": "x", "prompt": [1], "reward_model": {"ground_truth": "1"}}', "line 2, column 'prompt'"),
+    ("{not json", "line 2: not valid JSON"),
+])
+def test_jsonl2parquet_errors_name_line(tmp_path, line, phrase):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(row("a")) + "\n" + line + "\n")
+    with pytest.raises(DataError, match=phrase.replace("(", r"\(")):
+        data.main(["jsonl2parquet", str(src), str(tmp_path / "o.parquet")])
