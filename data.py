@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")  # "prompt" is really prompt_key
+REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")  # "prompt" stands for prompt_key
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 SCHEMA = "verl's schema needs data_source, prompt, reward_model.ground_truth"
 SCHEMA_HINT = SCHEMA + "; convert with `python data.py jsonl2parquet`"
@@ -28,6 +28,10 @@ SCHEMA_HINT = SCHEMA + "; convert with `python data.py jsonl2parquet`"
 
 class DataError(ValueError):
     """A problem with the data or a data knob; the message names the place and the fix."""
+
+
+def _required(prompt_key):
+    return [prompt_key if c == "prompt" else c for c in REQUIRED_COLUMNS]
 
 # -----------------------------------------------------------------------------
 # reading parquet in verl's schema
@@ -46,7 +50,7 @@ def check_parquet_schema(files, prompt_key="prompt"):
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{f} is not a readable parquet file ({e}); {SCHEMA_HINT}") from None
         schema = pf.schema_arrow
-        for col in ("data_source", prompt_key, "reward_model"):
+        for col in _required(prompt_key):
             if col not in schema.names:
                 raise DataError(f"missing column '{col}' in {f} (has {schema.names}); {SCHEMA_HINT}")
         rm = schema.field("reward_model").type
@@ -263,8 +267,14 @@ def make_arith_rows(num_rows, split, seed=0, max_operand=99):
 
 def write_parquet(rows, path):
     """Write rows with pyarrow; dicts become structs and message lists list<struct>, as verl's files."""
+    try:
+        table = pa.Table.from_pylist(rows)
+    except pa.ArrowException as e:
+        raise DataError(f"cannot write {path}: a column holds values of different types across rows "
+                        f"({e}); parquet needs one type per column, e.g. every prompt a list of "
+                        f"messages and every ground_truth a string (or every one a list)") from None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    pq.write_table(table, path)
 
 
 def jsonl_to_rows(path, prompt_key="prompt"):
@@ -280,7 +290,7 @@ def jsonl_to_rows(path, prompt_key="prompt"):
                 raise DataError(f"{path} line {n}: not valid JSON ({e})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
-            for key in ("data_source", prompt_key, "reward_model"):
+            for key in _required(prompt_key):
                 if key not in row:
                     raise DataError(f"{path} line {n}: missing key '{key}'; {SCHEMA}")
             parse_row(row, f"{path} line {n}", prompt_key)
@@ -316,4 +326,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (DataError, OSError) as e:  # a message, not a traceback, for data mistakes
+        raise SystemExit(f"error: {e}")

@@ -156,14 +156,20 @@ class AttnBatch:
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
 
+_VARLEN_CAUSAL = {}  # torch <= 2.10 takes is_causal=True, later releases window_size=(-1, 0)
+
+
 def _varlen_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-        return True
+        import inspect
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return False
+    params = inspect.signature(varlen_attn).parameters
+    _VARLEN_CAUSAL.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+    return True
 
 
 def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
@@ -181,7 +187,7 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
         cu = batch.cu_seqlens.to(torch.int32)
-        out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, is_causal=True)
+        out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL)
         return out.unsqueeze(0)
     if batch._mask is None:  # block-diagonal causal mask, made once per forward (CPU / fallback path)
         doc = torch.repeat_interleave(torch.arange(len(batch.cu_seqlens) - 1, device=q.device),
@@ -198,9 +204,12 @@ def _decode_attention(q, batch: AttnBatch) -> torch.Tensor:
     L = batch.cache_len
     if batch._mask is None:  # row r sees cache positions <= cache_pos[r]
         batch._mask = (torch.arange(L, device=q.device)[None, :] <= batch.cache_pos[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :L], v_cache[:, :, :L],
-                                         attn_mask=batch._mask, enable_gqa=q.shape[2] != k_cache.shape[1])
-    return out.transpose(1, 2)
+    # GQA without copying the cache: the heads sharing a kv head become that head's query rows
+    B, _, H, D = q.shape
+    kvh = k_cache.shape[1]
+    out = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), k_cache[:, :, :L], v_cache[:, :, :L],
+                                         attn_mask=batch._mask)
+    return out.reshape(B, 1, H, D)
 
 
 # -----------------------------------------------------------------------------
@@ -304,11 +313,13 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, input_ids, position_ids=None, batch: AttnBatch | None = None, *, target_ids=None,
-                temperature: float = 1.0, with_entropy: bool = False, logprob_chunk: int = 1024):
+                temperature: float = 1.0, with_entropy: bool = False, logprob_chunk: int = 1024,
+                logits_at: torch.Tensor | None = None):
         """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
         (log p(target), entropy or None), each [B, T] in fp32, computed in chunks of logprob_chunk tokens.
 
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
+        logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last tokens).
         """
         batch = batch or AttnBatch()
         B, T = input_ids.shape
@@ -323,6 +334,8 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, batch)
         h = self.model.norm(x)
+        if logits_at is not None:
+            return self.lm_head(h.flatten(0, 1)[logits_at])
         if target_ids is None:
             return self.lm_head(h)
         # computed here (inside forward) so FSDP has lm_head's weight unsharded

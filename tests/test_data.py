@@ -1,5 +1,6 @@
 """Specification of data.py: verl-schema parquet in, prompt ids / index batches out."""
 import json
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -102,10 +103,8 @@ def test_multiple_files_concatenate_in_order(tmp_path):
     ("left", 8, "Uabcdef>"), ("middle", 9, "Uabcdef>"),               # fits: untouched
 ])
 def test_truncation_modes(tmp_path, mode, max_len, expected):
-    path = write(tmp_path, "t.parquet", [row("abcdef"), row("x")])
-    items = load([path], max_prompt_length=max_len, truncation=mode)
-    assert items[0]["prompt_ids"] == ids(expected)
-    assert items[1]["prompt_ids"] == ids("Ux>")[:max_len] if max_len < 3 else ids("Ux>")
+    path = write(tmp_path, "t.parquet", [row("abcdef")])
+    assert load([path], max_prompt_length=max_len, truncation=mode)[0]["prompt_ids"] == ids(expected)
 
 
 def test_overlong_with_truncation_error_names_row_and_fixes(tmp_path):
@@ -181,8 +180,6 @@ def test_missing_file(tmp_path):
 ])
 def test_malformed_row_names_file_row_column(tmp_path, bad, column):
     bad_row = {**row("b"), **bad}
-    good = row("a")
-    good["prompt"] = bad_row["prompt"] if bad_row["prompt"] else good["prompt"]
     path = str(tmp_path / "bad.parquet")
     pq.write_table(pa.Table.from_pylist([row("a"), bad_row]), path)
     with pytest.raises(DataError) as e:
@@ -282,7 +279,7 @@ def check_packing(lengths, mbs, max_token_len):
     ([6, 6, 6], 10, [[0], [1], [2]]),            # no two fit together
     ([7, 3, 6, 4], 10, [[0, 1], [2, 3]]),        # 7+3 and 6+4
     ([7, 7, 6], 10, [[0], [1], [2]]),            # ceil(20/10) = 2 cannot fit: grow to 3
-    ([2, 9, 1], 10, [[1, 2], [0]]),              # heaviest micro-batch first
+    ([2, 9, 1], 10, [[1], [0, 2]]),              # 9 | 2+1: heaviest micro-batch first
 ])
 def test_micro_batches_minimal_count(lengths, max_len, expected):
     mbs = balanced_micro_batches(lengths, max_len)
@@ -298,7 +295,6 @@ def test_micro_batches_balanced():
 
 
 def test_micro_batches_many_random_lengths():
-    import random
     rnd = random.Random(0)
     for _ in range(50):
         lengths = [rnd.randint(1, 50) for _ in range(rnd.randint(1, 40))]
@@ -352,16 +348,30 @@ def test_make_arith_cli_writes_loadable_files(tmp_path):
 
 
 def test_jsonl2parquet_round_trip(tmp_path):
-    rows = [row("a", gt="1", split="train", index=0),
-            {"data_source": "x", "prompt": "plain", "reward_model": {"ground_truth": ["2", "two"]}}]
+    rows = [row("a", gt=["1", "one"], split="train", index=0),
+            {"data_source": "x", "prompt": [{"role": "user", "content": "b"}],
+             "reward_model": {"ground_truth": ["2"]}}]
     src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    src.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")  # blank lines are skipped
     dst = str(tmp_path / "out" / "out.parquet")
     data.main(["jsonl2parquet", str(src), dst])
     a, b = load([dst])
-    assert a["prompt_ids"] == ids("Ua>") and a["ground_truth"] == "1"
+    assert a["prompt_ids"] == ids("Ua>") and a["ground_truth"] == ["1", "one"]
     assert a["extra_info"] == {"split": "train", "index": 0}
-    assert b["prompt_ids"] == ids("Uplain>") and b["ground_truth"] == ["2", "two"]
+    assert b["prompt_ids"] == ids("Ub>") and b["ground_truth"] == ["2"] and b["extra_info"] == {}
+
+
+def test_jsonl2parquet_plain_string_prompts(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"data_source": "x", "prompt": "hi", "reward_model": {"ground_truth": "1"}}\n')
+    data.main(["jsonl2parquet", str(src), str(tmp_path / "o.parquet")])
+    assert load([str(tmp_path / "o.parquet")])[0]["prompt_ids"] == ids("Uhi>")
+
+
+def test_mixed_types_across_rows_is_a_clear_error(tmp_path):
+    rows = [row("a", gt="1"), row("b", gt=["2"])]
+    with pytest.raises(DataError, match="one type per column"):
+        write_parquet(rows, str(tmp_path / "m.parquet"))
 
 
 @pytest.mark.parametrize("line,phrase", [
