@@ -81,7 +81,7 @@ def math_dapo_score(solution_str: str, ground_truth: str, strict_box_verify: boo
     solution_str = solution_str[-300:]  # the answer sits at the end; bounds the regex cost (verl)
     if strict_box_verify:  # raw '\boxed{...}' content in the last 100 chars, compared unnormalized
         boxed = last_boxed_only_string(solution_str[-100:])
-        pred = boxed[len("\\boxed{"):-1] if boxed is not None else "[INVALID]"
+        pred = boxed[len("\\boxed{"):-1] if boxed is not None else None
         correct = pred == ground_truth
     else:
         found = re.findall(ANSWER_PATTERN, solution_str)
@@ -181,7 +181,7 @@ def load_reward_fn(spec: str | None):
         raise ValueError(f"reward_fn={spec!r}: {path!r} has no function {name!r}; it defines {public}")
     fn = getattr(module, name)
     if not callable(fn):
-        raise ValueError(f"reward_fn={spec!r}: {name!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"reward_fn={spec!r}: {name!r} is not callable (type {type(fn).__name__})")
     return fn
 
 
@@ -190,10 +190,10 @@ def normalize_result(result, fn_name: str) -> dict:
     hint = "it should return a finite number or a dict with a finite 'score' (optional 'acc', 'pred')"
     out = dict(result) if isinstance(result, dict) else {"score": result}
     score = out.get("score")
-    if hasattr(score, "item") and not isinstance(score, (str, bytes)):
+    if hasattr(score, "item"):
         score = score.item()  # numpy / torch scalars
-    if isinstance(score, str) or not isinstance(score, (int, float)) or not math.isfinite(score):
-        raise RewardError(f"reward function {fn_name} returned {result!r}; {hint}")
+    if not isinstance(score, (int, float)) or not math.isfinite(score):
+        raise RewardError(f"reward function {fn_name} returned {repr(result)[:200]}; {hint}")
     acc = out.get("acc", score > 0)
     return {"score": float(score), "acc": bool(acc), "pred": out.get("pred")}
 
@@ -276,14 +276,15 @@ class RewardScorer:
     def __init__(self, reward_fn: str | None = None, num_workers: int = 4, timeout_s: float = 10.0):
         self.spec, self.fn_name = reward_fn, reward_fn or "compute_score"
         self.fn = load_reward_fn(reward_fn)  # fail at start-up, in this process, with a clear message
-        self.timeout_s = timeout_s
+        self.timeout_s, self.inline = timeout_s, num_workers == 0
         self.workers = [_Worker(reward_fn) for _ in range(num_workers)]  # started once, reused every batch
 
     def score(self, items) -> tuple[list[dict], dict]:
         """Results in input order, and {"num_timeouts", "num_errors" (workers that died mid-call)}."""
+        assert self.inline or self.workers, "RewardScorer.score() after close()"
         items = list(items)
         results, stats = [None] * len(items), {"num_timeouts": 0, "num_errors": 0}
-        if not self.workers:
+        if self.inline:
             for i, item in enumerate(items):
                 results[i], error = _score_one(self.fn, self.fn_name, item)
                 if error is not None:
@@ -305,6 +306,9 @@ class RewardScorer:
                     if w.conn in readable:
                         self._receive(w, results, stats, todo)
                     elif time.monotonic() > w.deadline:
+                        if not w.ready:
+                            raise RewardError(f"a reward worker for {self.fn_name} did not start within "
+                                              f"{_STARTUP_TIMEOUT_S:.0f} s; num_workers=0 runs it inline")
                         self._replace(w, results, stats, todo, "num_timeouts")
         except BaseException:  # busy workers would report stale results into the next batch
             for w in [w for w in self.workers if w.chunk]:
@@ -337,9 +341,11 @@ class RewardScorer:
             stats[counter] += 1
         if w.chunk:
             todo.appendleft(w.chunk)
+        w.chunk = deque()
         self.workers[self.workers.index(w)] = _Worker(self.spec)
 
     def close(self) -> None:
+        """Stop the workers (SIGKILL: they hold no state worth saving)."""
         for w in self.workers:
             w.kill()
         self.workers = []
@@ -350,6 +356,6 @@ class RewardScorer:
     def __exit__(self, *exc):
         self.close()
 
-    def __del__(self):
+    def __del__(self):  # a forgotten close() must not leave processes behind
         if getattr(self, "workers", None):
             self.close()

@@ -1,0 +1,98 @@
+"""The DAPO/GRPO math of train_dapo.py against hand-computed values (REFERENCE.md)."""
+import math
+
+import pytest
+import torch
+
+import train_dapo as T
+
+
+def test_grpo_advantages_hand_values():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 2.0, 2.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 2, 2])
+    adv = T.compute_grpo_advantages(scores, groups)
+    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    expected = [0.5 / (s + 1e-6), -0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.5 / (s + 1e-6),
+                3.0 / (1.0 + 1e-6),  # a group of one: mean 0, std 1
+                0.0, 0.0]  # equal scores: zero advantage, no division blow-up
+    assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
+    dr = T.compute_grpo_advantages(scores, groups, norm_by_std=False)
+    assert torch.allclose(dr, torch.tensor([0.5, -0.5, -0.5, 0.5, 3.0, 0.0, 0.0]))
+
+
+def test_filter_groups_keeps_varying_groups_and_singletons():
+    metric = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    assert T.filter_groups(metric, groups).tolist() == [False, False, True, True, False, False, True]
+
+
+def test_kl_penalty_hand_values():
+    lp, ref = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
+    assert torch.allclose(T.kl_penalty(lp, ref, "kl"), torch.tensor([1.0, -2.0]))
+    assert torch.allclose(T.kl_penalty(lp, ref, "abs"), torch.tensor([1.0, 2.0]))
+    assert torch.allclose(T.kl_penalty(lp, ref, "mse"), torch.tensor([0.5, 2.0]))
+    # k3: k = ref - lp; exp(k) - k - 1
+    assert torch.allclose(T.kl_penalty(lp, ref, "low_var_kl"),
+                          torch.tensor([math.exp(-1) + 1 - 1, math.exp(2) - 2 - 1]))
+    # clamps: k to [-20, 20], the result to [-10, 10]
+    assert T.kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl").item() == 10.0
+    with pytest.raises(ValueError, match="unknown KL type"):
+        T.kl_penalty(lp, ref, "k4")
+
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+    ("seq-mean-token-mean", (1.5 + 4) / 2),
+    ("seq-mean-token-sum", (3 + 4) / 2),
+    ("seq-mean-token-sum-norm", 7 / (2 * 3)),  # / (sequences * max_response_length)
+])
+def test_agg_loss_modes(mode, expected):
+    assert T.agg_loss(LOSS, MASK, mode, max_response_length=3).item() == pytest.approx(expected)
+
+
+def test_policy_loss_clip_higher_and_dual_clip_by_hand():
+    ratios = torch.tensor([[1.0, 1.5, 0.5, 12.0, 3.0]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])
+    old = torch.zeros(1, 5)
+    logp = torch.log(ratios)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding and must not count
+    loss, m = T.policy_loss(logp, old, adv, mask, 0.2, 0.28, 10.0, "token-mean")
+    # token 1: ratio 1 -> -1; token 2: clip-higher at 1.28 -> -1.28 (clipped);
+    # token 3: A<0, ratio 0.5 -> clamp to 0.8 -> 0.8 (clipped); token 4: A<0, ratio 12 -> dual clip at c=10
+    assert loss.item() == pytest.approx((-1 - 1.28 + 0.8 + 10) / 4)
+    assert m["pg_clipfrac"] == pytest.approx(2 / 4)
+    assert m["pg_clipfrac_lower"] == pytest.approx(1 / 4)
+    assert m["ppo_kl"] == pytest.approx(-(0 + math.log(1.5) + math.log(0.5) + math.log(12)) / 4)
+    # per-sequence advantages broadcast the same way
+    loss1d, _ = T.policy_loss(logp, old, torch.tensor([1.0]), mask, 0.2, 0.28, 10.0, "token-mean")
+    # with A = +1 everywhere: ratio 0.5 -> max(-0.5, -0.8) = -0.5; ratio 12 -> max(-12, -1.28) = -1.28
+    assert loss1d.item() == pytest.approx((-1 - 1.28 - 0.5 - 1.28) / 4)
+
+
+def test_policy_loss_gradient_is_zero_where_clipped():
+    logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    loss, _ = T.policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 0.28,
+                            10.0, "token-mean")
+    loss.backward()
+    # clipped token (ratio 1.5 > 1.28): no gradient; unclipped: d(-A r / 2)/dlogp = -r/2
+    assert logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx(-1.1 / 2)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    cfg = T.Config(lr=1.0, lr_warmup_steps=2, lr_scheduler="cosine", min_lr_ratio=0.1)
+    sched = T.make_scheduler(opt, cfg, total_optimizer_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    # warmup (s+1)/2, then cosine from 1 to 0.1 over the remaining 4 steps
+    expected = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(0, 4)]
+    assert lrs == pytest.approx(expected)

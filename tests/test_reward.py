@@ -1,0 +1,328 @@
+"""Specification of reward.py: verl's rule verifiers, custom reward functions, the overlong penalty,
+and the worker pool that scores a batch with a per-call timeout. Expected values are written by hand;
+cases marked "verl:" were checked against verl's reward_score/math_dapo.py or gsm8k.py source."""
+import math
+import time
+
+import numpy as np
+import pytest
+
+from reward import (RewardError, RewardScorer, arith_score, compute_score, gsm8k_score, load_reward_fn,
+                    math_dapo_score, normalize_final_answer, normalize_result, overlong_penalty)
+
+
+# -----------------------------------------------------------------------------
+# DAPO math: normalization (verl's normalize_final_answer)
+
+@pytest.mark.parametrize("raw, expected", [
+    ("5 dollars", "5"),                       # spaces dropped, then the unit word removed
+    ("10 cm", "10"),
+    ("90^\\circ", "90"),
+    ("90^{\\circ}", "90"),
+    ("\\$5", "5"),                            # escaped dollar sign
+    ("3 \\text{ cm}^2", "3"),                 # verl: "\text{cm}" -> "\text{}" after "cm" removal, then "\text{}^2" removed
+    ("\\text{east}", "east"),                 # \text{...} unwrapped
+    ("\\textbf{7}", "7"),
+    ("\\overline{3}", "3"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # \boxed unwraps to the last '}' (greedy)
+    ("$\\boxed{14}$", "14"),
+    ("\\frac12", "\\frac{1}{2}"),             # \fracab -> \frac{a}{b}
+    ("\\frac123", "\\frac{1}{2}3"),           # \fracabc -> \frac{a}{b}c
+    ("\\frac{12}{5}", "\\frac{12}{5}"),       # braces already there: untouched
+    ("\\sqrt2", "\\sqrt{2}"),                 # \sqrta -> \sqrt{a}
+    ("\\sqrt23", "\\sqrt{2}3"),
+    ("1,000", "1000"),                        # commas dropped in pure numbers
+    ("1, 2", "12"),                           # verl: space removal first, so a pair of digits becomes one number
+    ("(1,2)", "(1,2)"),                       # not a pure number: commas kept
+    ("x = 5", "5"),                           # only the text after the last '='
+    ("a=b=7", "7"),
+    ("The answer is $5$ apples", "5"),        # verl: only the first $...$ span survives
+    ("\\frac{1}{2}.", "\\frac{1}{2}."),       # a trailing period is kept (only '.$' is dropped)
+    ("\\frac{1}{2}.$", "\\frac{1}{2}"),
+    ("[INVALID]", "[INVALID]"),
+])
+def test_normalize_final_answer(raw, expected):
+    assert normalize_final_answer(raw) == expected
+
+
+# -----------------------------------------------------------------------------
+# DAPO math: extraction and score
+
+def test_math_dapo_correct_and_wrong():
+    assert math_dapo_score("Let me think.\nAnswer: 42", "42") == {"score": 1.0, "acc": True, "pred": "42"}
+    assert math_dapo_score("Let me think.\nAnswer: 41", "42") == {"score": -1.0, "acc": False, "pred": "41"}
+
+
+def test_math_dapo_normalizes_both_sides():
+    assert math_dapo_score("Answer: \\frac12", "\\frac{1}{2}")["acc"]
+    assert math_dapo_score("Answer: $\\boxed{1,000}$ dollars", "1000")["acc"]
+    assert math_dapo_score("Answer: x = 3", "3")["pred"] == "3"
+
+
+def test_math_dapo_answer_is_case_insensitive():
+    assert math_dapo_score("answer: 7", "7")["acc"]
+    assert math_dapo_score("ANSWER : 7", "7")["acc"]
+
+
+def test_math_dapo_last_answer_wins():
+    assert math_dapo_score("Answer: 3\nwait, no.\nAnswer: 4", "4") == {"score": 1.0, "acc": True, "pred": "4"}
+    assert math_dapo_score("Answer: 4\nAnswer: 3", "4")["pred"] == "3"
+
+
+def test_math_dapo_answer_runs_to_end_of_line():
+    # [^\n]+ takes the rest of the line, so trailing prose is part of the answer
+    assert math_dapo_score("Answer: 4 because 2+2\n", "4")["pred"] == "4because2+2"
+
+
+def test_math_dapo_only_last_300_characters():
+    tail = "\n" + "y" * 289  # "Answer: 42" + tail is exactly 300 characters: still seen
+    assert math_dapo_score("Answer: 42" + tail, "42")["acc"]
+    # one more character and the window starts at "nswer: 42": no match -> invalid
+    assert math_dapo_score("Answer: 42" + tail + "y", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert math_dapo_score("x" * 5000 + "\nAnswer: 42", "42")["acc"]
+
+
+def test_math_dapo_no_answer_is_invalid():
+    assert math_dapo_score("The result is 42.", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert math_dapo_score("", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+
+
+def test_strict_box_verify():
+    assert math_dapo_score("so \\boxed{42}", "42", strict_box_verify=True) == {"score": 1.0, "acc": True, "pred": "42"}
+    assert math_dapo_score("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", strict_box_verify=True)["acc"]  # nested braces
+    assert math_dapo_score("\\boxed{1} or \\boxed{2}", "2", strict_box_verify=True)["pred"] == "2"  # last box
+    # verl: the boxed content is compared raw, without normalization
+    assert math_dapo_score("\\boxed{ 42}", "42", strict_box_verify=True) == {"score": -1.0, "acc": False, "pred": " 42"}
+    # verl (current main): no box -> pred None; only the last 100 characters are searched
+    assert math_dapo_score("\\boxed{42}" + "y" * 91, "42", strict_box_verify=True)["pred"] is None
+    assert math_dapo_score("\\boxed{42}" + "y" * 90, "42", strict_box_verify=True)["acc"]  # 100 exactly
+    assert math_dapo_score("\\boxed{42", "42", strict_box_verify=True) == {"score": -1.0, "acc": False, "pred": None}
+
+
+# -----------------------------------------------------------------------------
+# GSM8K (verl's gsm8k.py: 1.0 correct, format_score 0.0 wrong, 0.0 nothing found)
+
+def test_gsm8k_strict():
+    assert gsm8k_score("She pays 8*9 = 72.\n#### 72", "72") == {"score": 1.0, "acc": True, "pred": "72"}
+    assert gsm8k_score("#### 1,234", "1234")["acc"]  # commas removed
+    assert gsm8k_score("#### -3", "-3")["acc"]
+    assert gsm8k_score("#### 3\nno wait\n#### 4", "4")["pred"] == "4"  # verl (current main): last match
+    assert gsm8k_score("#### 71", "72") == {"score": 0.0, "acc": False, "pred": "71"}
+    assert gsm8k_score("The answer is 72", "72") == {"score": 0.0, "acc": False, "pred": None}
+    assert gsm8k_score("####72", "72")["pred"] is None  # the space after #### is required
+
+
+def test_gsm8k_only_last_300_characters():
+    assert gsm8k_score("#### 72\n" + "y" * 292, "72")["acc"]  # 300 characters in all
+    assert gsm8k_score("#### 72\n" + "y" * 293, "72")["pred"] is None  # '#' falls out of the window
+
+
+def test_gsm8k_flexible():
+    assert gsm8k_score("so she has 72 apples", "72", method="flexible") == {"score": 1.0, "acc": True, "pred": "72"}
+    assert gsm8k_score("from 5 to 9", "5", method="flexible")["pred"] == "9"  # last number
+    # verl: the number pattern includes '.' and ',' so a sentence-final period stays attached
+    assert gsm8k_score("she has 72.", "72", method="flexible") == {"score": 0.0, "acc": False, "pred": "72."}
+    assert gsm8k_score("no digits", "72", method="flexible") == {"score": 0.0, "acc": False, "pred": None}
+
+
+# -----------------------------------------------------------------------------
+# the CPU demo's arithmetic task
+
+def test_arith_score():
+    assert arith_score("Answer: 85", "85") == {"score": 1.0, "acc": True, "pred": "85"}
+    assert arith_score("answer: -3", "-3") == {"score": 1.0, "acc": True, "pred": "-3"}
+    assert arith_score("Answer: 84", "85") == {"score": -1.0, "acc": False, "pred": "84"}
+    assert arith_score("Answer: 1\nAnswer: 85", "85")["acc"]  # last match wins
+    assert arith_score("85", "85") == {"score": -1.0, "acc": False, "pred": None}  # no Answer:
+    assert arith_score("Answer: 85 apples", "85") == {"score": -1.0, "acc": False, "pred": None}  # not an integer
+
+
+# -----------------------------------------------------------------------------
+# dispatch by data_source
+
+@pytest.mark.parametrize("data_source, response, ground_truth, expected_score", [
+    ("math_dapo", "Answer: 7", "7", 1.0),
+    ("math", "Answer: 7", "7", 1.0),
+    ("aime2024", "Answer: 6", "7", -1.0),
+    ("aime25", "Answer: 7", "7", 1.0),
+    ("openai/gsm8k", "#### 7", "7", 1.0),
+    ("gsm8k", "Answer: 7", "7", 0.0),  # GSM8K is strict '####': no number found -> 0
+    ("arith", "Answer: 85", 85, 1.0),  # a number ground truth is compared as its string
+])
+def test_compute_score_dispatch(data_source, response, ground_truth, expected_score):
+    result = compute_score(data_source, response, ground_truth)
+    assert result["score"] == expected_score and result["acc"] == (expected_score == 1.0)
+
+
+def test_compute_score_ground_truth_list():
+    assert compute_score("math_dapo", "Answer: 0.5", ["\\frac{1}{2}", "0.5"]) == {"score": 1.0, "acc": True, "pred": "0.5"}
+    assert compute_score("math_dapo", "Answer: 2", np.array(["1", "3"]))["score"] == -1.0  # parquet list column
+    assert compute_score("gsm8k", "#### 9", ["8", "9"])["acc"]
+
+
+def test_compute_score_unknown_data_source():
+    with pytest.raises(ValueError) as e:
+        compute_score("my_dataset", "Answer: 1", "1")
+    msg = str(e.value)
+    for needed in ["'my_dataset'", "math_dapo", "aime", "openai/gsm8k", "arith", 'reward_fn = "path/to/file.py:function_name"']:
+        assert needed in msg
+
+
+# -----------------------------------------------------------------------------
+# overlong penalty (DAPO recipe: max 20480, buffer 4096, factor 1.0)
+
+@pytest.mark.parametrize("length, expected", [
+    (100, 0.0),
+    (16383, 0.0),
+    (16384, 0.0),               # expected length = 20480 - 4096: no penalty yet
+    (16385, -1 / 4096),
+    (18432, -0.5),              # halfway through the buffer
+    (20479, -4095 / 4096),
+    (20480, -1.0),              # at max_response_length: -factor
+])
+def test_overlong_penalty_recipe(length, expected):
+    assert overlong_penalty(length, 20480, 4096, 1.0) == expected
+
+
+def test_overlong_penalty_factor_and_full_buffer():
+    assert overlong_penalty(20480, 20480, 4096, 0.5) == -0.5
+    assert overlong_penalty(6, 8, 4, 2.0) == -1.0  # (6 - 4) / 4 * 2
+    assert overlong_penalty(0, 4096, 4096, 1.0) == 0.0  # buffer == max is allowed: starts at length 0
+    assert overlong_penalty(1024, 4096, 4096, 1.0) == -0.25
+
+
+def test_overlong_penalty_errors():
+    with pytest.raises(ValueError, match="overlong_buffer_len=5000.*max_response_length=4096"):
+        overlong_penalty(10, 4096, 5000, 1.0)
+    with pytest.raises(ValueError, match="overlong_buffer_len=0"):
+        overlong_penalty(10, 4096, 0, 1.0)
+
+
+# -----------------------------------------------------------------------------
+# custom reward functions
+
+CUSTOM = '''
+import os, time
+THRESHOLD = 3
+
+def length_reward(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str))
+
+def dict_reward(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": -0.5, "acc": solution_str == ground_truth, "pred": solution_str.upper()}
+
+def returns_none(data_source, solution_str, ground_truth, extra_info=None):
+    return None
+
+def exact(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        time.sleep(100)
+    if solution_str == "boom":
+        raise ZeroDivisionError("division by zero in my grader")
+    if solution_str == "die":
+        os._exit(3)
+    return 1.0 if solution_str == ground_truth else 0.0
+'''
+
+
+@pytest.fixture
+def custom_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(CUSTOM)
+    return str(path)
+
+
+def test_load_reward_fn_default_and_custom(custom_file):
+    assert load_reward_fn(None) is compute_score
+    fn = load_reward_fn(f"{custom_file}:length_reward")
+    assert fn("x", "abc", "1") == 3.0
+    assert normalize_result(fn("x", "abc", "1"), "length_reward") == {"score": 3.0, "acc": True, "pred": None}
+    fn = load_reward_fn(f"{custom_file}:dict_reward")
+    assert normalize_result(fn("x", "ok", "ok"), "dict_reward") == {"score": -0.5, "acc": True, "pred": "OK"}
+
+
+def test_load_reward_fn_errors(custom_file, tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_reward_fn(f"{tmp_path}/missing.py:fn")
+    with pytest.raises(ValueError, match="no function 'nope'.*length_reward"):
+        load_reward_fn(f"{custom_file}:nope")
+    with pytest.raises(ValueError, match=r"'THRESHOLD' is not callable \(type int\)"):
+        load_reward_fn(f"{custom_file}:THRESHOLD")
+    with pytest.raises(ValueError, match="path/to/file.py:function_name"):
+        load_reward_fn(custom_file)  # no ':function_name'
+
+
+@pytest.mark.parametrize("result, expected", [
+    (0.25, {"score": 0.25, "acc": True, "pred": None}),
+    (0, {"score": 0.0, "acc": False, "pred": None}),       # acc = score > 0 when not given
+    (-1, {"score": -1.0, "acc": False, "pred": None}),
+    (True, {"score": 1.0, "acc": True, "pred": None}),
+    (np.float32(0.5), {"score": 0.5, "acc": True, "pred": None}),
+    ({"score": 0.0, "acc": True}, {"score": 0.0, "acc": True, "pred": None}),  # acc given: used as is
+    ({"score": 1, "pred": "7", "extra": 3}, {"score": 1.0, "acc": True, "pred": "7"}),
+])
+def test_normalize_result(result, expected):
+    out = normalize_result(result, "my_fn")
+    assert out == expected and type(out["score"]) is float and type(out["acc"]) is bool
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), "1.0", {"acc": True}, {"score": None}, [1.0]])
+def test_normalize_result_rejects(bad):
+    with pytest.raises(RewardError, match="reward function my_fn returned .*should return a finite number"):
+        normalize_result(bad, "my_fn")
+    assert issubclass(RewardError, ValueError)
+
+
+# -----------------------------------------------------------------------------
+# RewardScorer: worker processes, order, timeouts, errors
+
+def test_scorer_builtin_results_in_order():
+    items = [("math_dapo", "Answer: 1", "1", None), ("gsm8k", "#### 2", "3", None),
+             ("arith", "Answer: 3", "3", {"index": 2}), ("aime", "no answer", "4", None)] * 5
+    expected = [{"score": 1.0, "acc": True, "pred": "1"}, {"score": 0.0, "acc": False, "pred": "2"},
+                {"score": 1.0, "acc": True, "pred": "3"}, {"score": -1.0, "acc": False, "pred": "[INVALID]"}] * 5
+    for num_workers in (0, 2):
+        with RewardScorer(num_workers=num_workers) as scorer:
+            for _ in range(2):  # workers are reused across batches
+                assert scorer.score(items) == (expected, {"num_timeouts": 0, "num_errors": 0})
+            assert scorer.score([]) == ([], {"num_timeouts": 0, "num_errors": 0})
+
+
+def test_scorer_custom_fn_timeout(custom_file):
+    # one worker and 12 items -> chunks of 3; the hanging item sits mid-chunk, so the rest is requeued
+    answers = ["a", "b", "c", "d", "hang", "f", "g", "h", "i", "j", "k", "l"]
+    items = [("my_data", s, "c" if s == "c" else "z", None) for s in answers]
+    with RewardScorer(f"{custom_file}:exact", num_workers=1, timeout_s=1.0) as scorer:
+        start = time.monotonic()
+        results, stats = scorer.score(items)
+        assert time.monotonic() - start < 6.0
+        assert stats == {"num_timeouts": 1, "num_errors": 0}
+        assert [r["score"] for r in results] == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        assert results[4] == {"score": 0.0, "acc": False, "pred": None}
+        assert scorer.score([("my_data", "x", "x", None)]) == ([{"score": 1.0, "acc": True, "pred": None}],
+                                                              {"num_timeouts": 0, "num_errors": 0})
+
+
+def test_scorer_custom_fn_raises(custom_file):
+    items = [("my_data", "ok", "ok", None), ("my_data", "boom", "x", None)]
+    for num_workers in (0, 2):
+        with RewardScorer(f"{custom_file}:exact", num_workers=num_workers) as scorer:
+            with pytest.raises(RewardError) as e:
+                scorer.score(items)
+            for needed in ["exact", "ZeroDivisionError", "division by zero in my grader", "'my_data'", "num_workers=0"]:
+                assert needed in str(e.value)
+            assert scorer.score(items[:1])[0] == [{"score": 1.0, "acc": True, "pred": None}]  # still usable
+
+
+def test_scorer_bad_return_and_dead_worker(custom_file):
+    with RewardScorer(f"{custom_file}:returns_none", num_workers=1) as scorer:
+        with pytest.raises(RewardError, match="returns_none returned None.*'score'"):
+            scorer.score([("my_data", "x", "x", None)])
+    with RewardScorer(f"{custom_file}:exact", num_workers=1) as scorer:  # a worker that dies scores 0
+        results, stats = scorer.score([("d", "die", "die", None), ("d", "y", "y", None)])
+        assert [r["score"] for r in results] == [0.0, 1.0] and stats == {"num_timeouts": 0, "num_errors": 1}
+
+
+def test_scorer_bad_spec_fails_at_start():
+    with pytest.raises(ValueError, match="path/to/file.py:function_name"):
+        RewardScorer("no_colon_here.py")

@@ -1,0 +1,253 @@
+"""train_dapo.py: config parsing and validation, dynamic sampling, exact token-mean over micro-batches,
+resume, and a few real end-to-end steps on a tiny model."""
+import contextlib
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import model as M
+import train_dapo as T
+
+# -----------------------------------------------------------------------------
+# config
+
+
+def test_config_file_then_cli_overrides(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("import os\n_scratch = 3\nlr = 3e-4\nn = 4\ntrain_files = 'a.parquet'\n")
+    cfg, flags = T.parse_args([str(f), "--n=16", "--out_dir=runs/x", "--betas=(0.9, 0.95)", "--dry_run"])
+    assert (cfg.lr, cfg.n, cfg.out_dir, cfg.train_files, cfg.betas) == (3e-4, 16, "runs/x", ["a.parquet"],
+                                                                         (0.9, 0.95))
+    assert flags["dry_run"]
+    assert T.parse_args(["--lr=1"])[0].lr == 1.0 and isinstance(T.parse_args(["--lr=1"])[0].lr, float)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--lrr=1e-6"], "unknown config key 'lrr'.*did you mean 'lr'"),
+    (["--n=four"], "n='four'.*expected int"),
+    (["--use_kl_loss=1"], "use_kl_loss=1.*expected bool"),
+    (["--n"], "--key=value"),
+    (["nope.py"], "config file 'nope.py' not found"),
+])
+def test_config_errors_name_the_key(args, msg):
+    with pytest.raises(T.ConfigError, match=msg):
+        T.parse_args(args)
+
+
+@pytest.mark.parametrize("over,msg", [
+    (dict(ppo_mini_batch_size=3), "ppo_mini_batch_size=3 must divide train_batch_size=32"),
+    (dict(ppo_micro_batch_size_per_gpu=48), "ppo_micro_batch_size_per_gpu=48 must divide"),
+    (dict(clip_ratio_c=1.0), "clip_ratio_c=1.0 must be > 1"),
+    (dict(overlong_buffer_len=2048), "overlong_buffer_len=2048 must be in"),
+    (dict(loss_agg_mode="sum"), "loss_agg_mode='sum'; choose one of token-mean"),
+    (dict(kl_loss_type="k9"), "kl_loss_type='k9'"),
+    (dict(filter_groups_metric="reward"), "filter_groups_metric='reward'"),
+    (dict(truncation="cut"), "truncation='cut'"),
+    (dict(gen_batch_size=8, filter_groups=False), "gen_batch_size=8 < train_batch_size=32"),
+    (dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=100), "ppo_max_token_len_per_gpu=100 must be >="),
+    (dict(logger=["console", "neptune"]), "logger 'neptune'"),
+    (dict(n=0), "n=0 must be > 0"),
+])
+def test_cross_field_validation(over, msg):
+    with pytest.raises(T.ConfigError, match=msg):
+        T.validate(T.Config(**over), world_size=1, check_files=False)
+
+
+def test_world_size_must_split_mini_batch():
+    with pytest.raises(T.ConfigError, match="split evenly over 3 ranks"):
+        T.validate(T.Config(), world_size=3, check_files=False)
+
+
+def test_file_checks(tiny_dir, tmp_path):
+    base = dict(model_path=str(tiny_dir / "model"), train_files=[str(tiny_dir / "train.parquet")],
+                val_files=[str(tiny_dir / "val.parquet")], gen_batch_size=8, train_batch_size=8,
+                ppo_mini_batch_size=8)
+    T.validate(T.Config(**base))
+    with pytest.raises(T.ConfigError, match="no config.json"):
+        T.validate(T.Config(**{**base, "model_path": str(tmp_path)}))
+    import data
+    with pytest.raises(data.DataError, match="missing.parquet"):
+        T.validate(T.Config(**{**base, "train_files": [str(tmp_path / "missing.parquet")]}))
+    pq.write_table(pa.table({"data_source": ["x"], "prompt": ["hi"]}), tmp_path / "bad.parquet")
+    with pytest.raises(data.DataError, match="reward_model"):
+        T.validate(T.Config(**{**base, "train_files": [str(tmp_path / "bad.parquet")]}))
+    with pytest.raises(ValueError, match="nofile.py"):
+        T.validate(T.Config(**{**base, "reward_fn": str(tmp_path / "nofile.py") + ":f"}))
+
+
+def test_dry_run_prints_batch_arithmetic(tiny_dir, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rc = T.main([f"--model_path={tiny_dir / 'model'}", f"--train_files={tiny_dir / 'train.parquet'}",
+                 f"--val_files={tiny_dir / 'val.parquet'}", "--train_batch_size=16", "--gen_batch_size=24",
+                 "--n=4", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_gpu=2", "--ppo_epochs=2",
+                 "--n_gpus_per_node=2", "--dry_run"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "trajectories_per_step: 64" in out  # 16 prompts x 4
+    assert "optimizer_steps_per_step: 8" in out  # 2 epochs x 16 / 4
+    assert "per_rank_mini_batch: 8" in out  # 4 x 4 / 2 ranks
+    assert "accumulation_steps: 4" in out  # 8 / 2
+    assert "steps_per_epoch (if no group is filtered): 4" in out  # 64 prompts / 16
+
+
+def test_main_reports_errors_without_traceback(capsys):
+    assert T.main(["--lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown config key 'lrr'") and "Traceback" not in err
+
+
+# -----------------------------------------------------------------------------
+# dynamic sampling
+
+
+def fake_round(accs_per_group, n, offset):
+    """A generation round whose groups have the given per-trajectory accuracies."""
+    G = len(accs_per_group)
+    acc = torch.tensor([a for g in accs_per_group for a in g], dtype=torch.float32)
+    return T.Trajectories(
+        prompt_ids=[[1]] * (G * n), response_ids=[[2]] * (G * n),
+        group_ids=torch.arange(G).repeat_interleave(n) + offset, rollout_logp=torch.zeros(G * n, 4),
+        response_mask=torch.ones(G * n, 4), finish_reasons=["stop"] * (G * n), data_sources=["x"] * (G * n),
+        acc=acc, score=acc * 2 - 1, seq_reward=acc * 2 - 1, seq_final_reward=acc * 2 - 1)
+
+
+def test_dynamic_sampling_refills_across_rounds_and_trims_to_whole_groups():
+    cfg = T.Config(train_batch_size=3, gen_batch_size=2, n=2, max_response_length=4)
+    rounds = [[[1, 0], [1, 1]],  # 1 varying group
+              [[0, 0], [0, 0]],  # none
+              [[0, 1], [1, 0]]]  # 2 more -> 3, done
+    calls = []
+
+    def gen(r):
+        calls.append(r)
+        return fake_round(rounds[r - 1], 2, offset=10 * r)
+
+    batch, everything, n_rounds = T.dynamic_sampling(gen, cfg)
+    assert n_rounds == 3 and calls == [1, 2, 3]
+    assert len(everything) == 12 and len(batch) == 6
+    assert batch.group_ids.tolist() == [10, 10, 30, 30, 31, 31]
+    assert batch.acc.tolist() == [1, 0, 0, 1, 1, 0]
+
+
+def test_dynamic_sampling_keeps_exactly_train_batch_size_groups():
+    cfg = T.Config(train_batch_size=1, gen_batch_size=3, n=2, max_response_length=4)
+    batch, _, n_rounds = T.dynamic_sampling(lambda r: fake_round([[1, 0], [0, 1], [1, 0]], 2, 0), cfg)
+    assert n_rounds == 1 and batch.group_ids.tolist() == [0, 0]
+
+
+def test_dynamic_sampling_error_names_numbers_and_knobs():
+    cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, max_num_gen_batches=3)
+    with pytest.raises(RuntimeError, match="after 3 generation rounds of 2 prompts only 1 of "
+                                           "train_batch_size=2.*max_num_gen_batches"):
+        T.dynamic_sampling(lambda r: fake_round([[1, 0], [1, 1]] if r == 1 else [[0, 0], [1, 1]], 2, 10 * r), cfg)
+
+
+def test_no_filter_takes_the_first_round():
+    cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, filter_groups=False)
+    batch, _, n_rounds = T.dynamic_sampling(lambda r: fake_round([[1, 1], [0, 0]], 2, 0), cfg)
+    assert n_rounds == 1 and len(batch) == 4
+
+
+# -----------------------------------------------------------------------------
+# token-mean over the whole mini-batch is exact whatever the micro-batch split
+
+
+def random_batch(vocab=40, n_traj=6, R=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    resp_lens = [1, 7, 3, 5, 2, 6][:n_traj]
+    prompts = [torch.randint(0, vocab, (3 + i,), generator=g).tolist() for i in range(n_traj)]
+    resps = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in resp_lens]
+    mask = torch.zeros(n_traj, R)
+    for i, L in enumerate(resp_lens):
+        mask[i, :L] = 1
+    return T.Trajectories(
+        prompt_ids=prompts, response_ids=resps, group_ids=torch.arange(n_traj) // 2,
+        rollout_logp=torch.zeros(n_traj, R), response_mask=mask, finish_reasons=["stop"] * n_traj,
+        data_sources=["x"] * n_traj, acc=torch.zeros(n_traj), score=torch.zeros(n_traj),
+        seq_reward=torch.zeros(n_traj), old_logp=torch.randn(n_traj, R, generator=g) * 0.1 - 3.0,
+        adv=torch.randn(n_traj, generator=g))
+
+
+def grads_after_update(cfg, traj):
+    cfg_m = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+    m = M.Transformer(cfg_m).init_weights(seed=0).double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    sched = T.make_scheduler(opt, cfg, 1)
+    T.update_policy(m, None, opt, sched, traj, cfg, contextlib.nullcontext())
+    return torch.cat([p.grad.flatten() for p in m.parameters()])
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_split_does_not_change_gradients(mode):
+    traj = random_batch()
+    base = dict(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
+                loss_agg_mode=mode, entropy_coeff=0.01, temperature=1.0)
+    whole = grads_after_update(T.Config(**base, ppo_micro_batch_size_per_gpu=6), traj)
+    for split in (1, 2, 3):
+        g = grads_after_update(T.Config(**base, ppo_micro_batch_size_per_gpu=split), traj)
+        assert torch.allclose(g, whole, atol=1e-5, rtol=1e-4), split
+    budget = grads_after_update(T.Config(**base, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=15), traj)
+    assert torch.allclose(budget, whole, atol=1e-5, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# end to end on a tiny random model (few steps, CI time)
+
+
+def run_cfg(tiny_dir, out_dir, **over):
+    base = dict(model_path=str(tiny_dir / "model"), train_files=[str(tiny_dir / "train.parquet")],
+                val_files=[str(tiny_dir / "val.parquet")], max_prompt_length=64, max_response_length=12,
+                overlong_buffer_len=6, train_batch_size=2, gen_batch_size=3, n=4, ppo_mini_batch_size=1,
+                ppo_micro_batch_size_per_gpu=2, filter_groups_metric="seq_reward", temperature=1.5, lr=1e-3,
+                out_dir=str(out_dir), test_freq=2, save_freq=1, reward_num_workers=0, cpu_threads=1,
+                val_max_samples=4, max_num_gen_batches=20, resume="auto", logger=["jsonl"])
+    return T.Config(**{**base, **over})
+
+
+def read_metrics(out_dir):
+    return [json.loads(x) for x in open(out_dir / "metrics.jsonl")]
+
+
+def stable(rows):
+    """Metrics that must be identical between runs (no timings)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+
+
+def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
+    full = tmp_path / "full"
+    T.train(run_cfg(tiny_dir, full, total_training_steps=3, reward_num_workers=1))
+    rows = read_metrics(full)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for key in ("train/acc", "train/score_mean", "response_length/mean", "response_length/max",
+                "response_length/clip_ratio", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                "actor/ppo_kl", "actor/grad_norm", "actor/lr", "sampling/num_gen_batches",
+                "sampling/kept_group_frac", "rollout/logp_mismatch", "timing/gen", "timing/reward",
+                "timing/old_logp", "timing/update", "timing/step", "perf/tokens_per_s"):
+        assert key in rows[1], key
+    assert rows[1]["rollout/logp_mismatch"] < 1e-4  # engine and trainer agree on log-probs before the update
+    assert "val/acc" in rows[0] and "val/acc" in rows[2] and "val/acc" in rows[3]
+    assert (full / "checkpoints" / "step_3" / "COMPLETE").exists()
+    assert M.from_pretrained(str(full / "checkpoints" / "step_3"), dtype=torch.float32)  # an HF model dir
+
+    part = tmp_path / "part"
+    T.train(run_cfg(tiny_dir, part, total_training_steps=1, reward_num_workers=1))  # "stopped" after step 1
+    T.train(run_cfg(tiny_dir, part, total_training_steps=3, reward_num_workers=1))  # resume="auto"
+    resumed = [r for r in read_metrics(part) if r["step"] != 1 or "train/acc" in r]
+    by_step = {r["step"]: r for r in stable(resumed) if "train/acc" in r}
+    expected = {r["step"]: r for r in stable(rows) if "train/acc" in r}
+    for s in (1, 2, 3):
+        got = {k: v for k, v in by_step[s].items() if not k.startswith("val/")}
+        want = {k: v for k, v in expected[s].items() if not k.startswith("val/")}
+        assert got == want, s
+
+
+def test_kl_loss_and_ppo_epochs_path(tiny_dir, tmp_path):
+    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=1, use_kl_loss=True, ppo_epochs=2,
+                    use_dynamic_bsz=True, ppo_max_token_len_per_gpu=200, log_prob_max_token_len_per_gpu=200,
+                    val_files=[], use_kl_in_reward=True, filter_groups_metric="seq_final_reward"))
+    row = read_metrics(tmp_path)[-1]
+    assert row["actor/kl_loss"] >= 0.0 and "rollout/logp_mismatch" in row and row["step"] == 1
