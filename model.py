@@ -242,9 +242,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch: AttnBatch, layer_idx: int):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        q = self.q_proj(x).view(B, T, -1, self.hd)  # -1: under tensor parallelism a rank holds a slice of heads
+        k = self.k_proj(x).view(B, T, -1, self.hd)
+        v = self.v_proj(x).view(B, T, -1, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -257,7 +257,7 @@ class Attention(nn.Module):
             v_cache[rows, :, batch.cache_pos] = v[:, 0]
             batch._layer_kv = (k_cache, v_cache)
         y = attention(q, k, v, batch)
-        return self.o_proj(y.reshape(B, T, self.nh * self.hd))
+        return self.o_proj(y.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -293,9 +293,8 @@ class Transformer(nn.Module):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # tied embeddings: no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False  # activation checkpointing per decoder block
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
@@ -309,8 +308,12 @@ class Transformer(nn.Module):
                     m.bias.data.zero_()
             elif isinstance(m, RMSNorm):
                 m.weight.data.fill_(1.0)
-        self.inv_freq = rope_inv_freq(self.config).to(self.lm_head.weight.device)
+        self.inv_freq = rope_inv_freq(self.config).to(self.output_weight.device)
         return self
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, position_ids=None, batch: AttnBatch | None = None, *, target_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False, logprob_chunk: int = 1024,
@@ -335,11 +338,11 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, batch)
         h = self.model.norm(x)
         if logits_at is not None:
-            return self.lm_head(h.flatten(0, 1)[logits_at])
+            return F.linear(h.flatten(0, 1)[logits_at], self.output_weight)
         if target_ids is None:
-            return self.lm_head(h)
-        # computed here (inside forward) so FSDP has lm_head's weight unsharded
-        logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.lm_head.weight, target_ids.flatten(),
+            return F.linear(h, self.output_weight)
+        # computed here (inside forward) so FSDP has the output weight unsharded
+        logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.output_weight, target_ids.flatten(),
                                                temperature, logprob_chunk, with_entropy)
         return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
 
@@ -415,19 +418,21 @@ def safetensors_files(path: str) -> list[str]:
                             "nanodapo reads HF safetensors checkpoints (convert .bin with transformers' save_pretrained)")
 
 
-def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu") -> Transformer:
-    """Load an HF checkpoint straight into the module: built on the meta device, materialized on
-    `device`, then filled tensor by tensor, so there is never a second copy of the model."""
+def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=None) -> Transformer:
+    """Load an HF checkpoint straight into the module: built on the meta device, optionally sharded by
+    `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by
+    tensor. Each rank keeps only its shard, so a 32B model never exists twice in memory."""
     from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
     cfg = load_config(path)
     files = safetensors_files(path)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device).to(dtype)
+        model = Transformer(cfg).to(dtype)
+    if parallelize is not None:
+        parallelize(model)
+    model.to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg).to(device)
-    if cfg.tie_word_embeddings:  # to_empty breaks the tie
-        model.lm_head.weight = model.model.embed_tokens.weight
-    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    params = dict(model.named_parameters())
     loaded = set()
     for f in files:
         with safe_open(f, framework="pt", device="cpu") as sf:
@@ -437,12 +442,16 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu") -> Transforme
                 if name not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {f}: not part of a {cfg.architecture} "
                                      "with this config.json (wrong architecture or config?)")
-                t = sf.get_tensor(name)
-                if t.shape != params[name].shape:
+                t, p = sf.get_tensor(name), params[name]
+                if t.shape != p.shape:
                     raise ValueError(f"shape mismatch for {name!r} in {f}: checkpoint {tuple(t.shape)}, "
-                                     f"config.json implies {tuple(params[name].shape)}")
+                                     f"config.json implies {tuple(p.shape)}")
                 with torch.no_grad():
-                    params[name].copy_(t)
+                    if isinstance(p, DTensor):  # every rank read the full tensor; keep this rank's shard
+                        t = distribute_tensor(t.to(device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+                        p.to_local().copy_(t.to_local())
+                    else:
+                        p.copy_(t)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
@@ -456,8 +465,7 @@ def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = 5 * 2*
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     sd = state_dict if state_dict is not None else model.state_dict()
-    sd = {k: v.detach().contiguous().cpu() for k, v in sd.items()
-          if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    sd = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
     dtype = next(iter(sd.values())).dtype
     shards, cur, size = [], {}, 0
     for k, v in sd.items():

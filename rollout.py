@@ -83,7 +83,7 @@ class TorchEngine:
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None):
         self.model = model
         self.max_num_seqs = max_num_seqs
-        self.device = model.lm_head.weight.device
+        self.device = model.output_weight.device
         self.use_cuda_graph = (self.device.type == "cuda") if use_cuda_graph is None else use_cuda_graph
         self._cache, self._graphs = None, {}
 
@@ -122,7 +122,7 @@ class TorchEngine:
         c = self._cache
         if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:
             return c
-        cfg, dtype = self.model.config, self.model.lm_head.weight.dtype
+        cfg, dtype = self.model.config, self.model.output_weight.dtype
         shape = (rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self._graphs = {}
         self._cache = [(torch.zeros(shape, dtype=dtype, device=self.device),
@@ -246,5 +246,5 @@ def make_engine(kind: str, model, max_num_seqs: int = 256, log=print):
     if kind == "vllm":
         raise NotImplementedError("the in-process vLLM engine is not part of this version yet; "
                                   "use rollout_engine='torch' (or 'auto')")
-    log(f"rollout engine: torch (built-in{', CUDA graphs' if model.lm_head.weight.is_cuda else ''})")
+    log(f"rollout engine: torch (built-in{', CUDA graphs' if model.output_weight.is_cuda else ''})")
     return TorchEngine(model, max_num_seqs=max_num_seqs)

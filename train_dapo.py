@@ -416,7 +416,7 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
     """Packed forward of prompt+response for trajectories idx -> (logp, entropy) [len(idx), R] on response tokens."""
     from model import pack_sequences
     seqs = [traj.prompt_ids[i] + traj.response_ids[i] for i in idx]
-    device = model.lm_head.weight.device
+    device = model.output_weight.device
     ids, pos, batch = pack_sequences([s[:-1] for s in seqs], device)
     targets = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
     logp, ent = model(ids, pos, batch, target_ids=targets, temperature=cfg.temperature,

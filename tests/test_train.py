@@ -1,6 +1,7 @@
 """train_dapo.py: config parsing and validation, dynamic sampling, exact token-mean over micro-batches,
 resume, and a few real end-to-end steps on a tiny model."""
 import contextlib
+import importlib.util
 import json
 
 import pyarrow as pa
@@ -232,6 +233,8 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
     assert "val/acc" in rows[0] and "val/acc" in rows[2] and "val/acc" in rows[3]
     assert (full / "checkpoints" / "step_3" / "COMPLETE").exists()
     assert M.from_pretrained(str(full / "checkpoints" / "step_3"), dtype=torch.float32)  # an HF model dir
+    if importlib.util.find_spec("matplotlib"):
+        assert T.main(["--plot", str(full)]) == 0 and (full / "metrics.png").stat().st_size > 10_000
 
     part = tmp_path / "part"
     T.train(run_cfg(tiny_dir, part, total_training_steps=1, reward_num_workers=1))  # "stopped" after step 1
