@@ -9,11 +9,16 @@ A row (the schema verl's data preprocessors write, so their parquet files load u
 Command line:
     python data.py jsonl2parquet IN.jsonl OUT.parquet        # one JSON row per line
     python data.py make-arith data/arith --train 4000 --val 200   # the CPU demo task
+    python data.py prepare-gsm8k RAW_DIR data/gsm8k   # raw GSM8K (HF or openai jsonl) -> verl's rows
+    python data.py inspect data/gsm8k/train.parquet --tokenizer MODEL_DIR --max_prompt_length 512
 """
 import argparse
+import collections
+import glob
 import json
 import math
 import os
+import re
 import zlib
 
 import numpy as np
@@ -300,6 +305,94 @@ def jsonl_to_rows(path, prompt_key="prompt"):
     return rows
 
 # -----------------------------------------------------------------------------
+# GSM8K in verl's schema, and a look inside parquet files
+
+# verl's examples/data_preprocess/gsm8k.py: the instruction appended to each question, and the
+# final answer taken from the first "#### <number>" with commas removed ("#### 1,000" -> "1000")
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def gsm8k_row(question, answer, split, index):
+    """One raw GSM8K example as verl's gsm8k preprocessor writes it."""
+    m = GSM8K_ANSWER.search(answer)
+    if m is None:
+        raise DataError(f"answer has no '#### <number>' final answer: {answer!r:.200}")
+    return {"data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": m.group(1).replace(",", "")},
+            "extra_info": {"split": split, "index": index, "answer": answer, "question": question}}
+
+
+def gsm8k_raw_files(raw, split):
+    """A split's raw files: HF's main/{split}-*.parquet (shards in order), {split}.parquet or .jsonl."""
+    for pattern in ("main/{}-*.parquet", "{}-*.parquet", "{}.parquet", "{}.jsonl"):
+        found = sorted(glob.glob(os.path.join(raw, pattern.format(split))))
+        if found:
+            return found
+    raise DataError(f"no raw GSM8K {split} split in {raw}: looked for main/{split}-*.parquet (Hugging "
+                    f"Face openai/gsm8k), {split}.parquet, {split}.jsonl (openai/grade-school-math)")
+
+
+def _raw_gsm8k(f):
+    """(where, example) for each line of a JSON-lines file or row of a parquet file."""
+    if not f.endswith(".jsonl"):
+        return [(f"{f} row {r}", x) for r, x in enumerate(pq.read_table(f).to_pylist())]
+    out = []
+    with open(f) as fh:
+        for n, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append((f"{f} line {n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{f} line {n}: not valid JSON ({e})") from None
+    return out
+
+
+def read_gsm8k(files, split):
+    """Raw GSM8K files ({question, answer} rows) -> rows in verl's schema, indexed across the files."""
+    rows = []
+    for where, x in (item for f in files for item in _raw_gsm8k(f)):
+        if not (isinstance(x, dict) and all(isinstance(x.get(k), str) for k in ("question", "answer"))):
+            raise DataError(f"{where}: expected string fields 'question' and 'answer' (raw GSM8K), "
+                            f"got {x!r:.200}")
+        try:  # index counts rows across a split's shards, as verl's map(with_indices=True)
+            rows.append(gsm8k_row(x["question"], x["answer"], split, len(rows)))
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
+    return rows
+
+
+def inspect_files(files, tokenizer=None, max_prompt_length=None, prompt_key="prompt"):
+    """Schema, rows per file, data_source counts and the first row; with a tokenizer, templated
+    prompt length percentiles (numpy's linear interpolation) and the count over max_prompt_length."""
+    check_parquet_schema(files, prompt_key)
+    out = {"files": {}, "rows": 0, "data_sources": collections.Counter()}
+    lengths = []
+    for f in files:
+        pf = pq.ParquetFile(f)
+        out["files"][f] = {"schema": pf.schema_arrow, "rows": pf.metadata.num_rows}
+        out["rows"] += pf.metadata.num_rows
+        if "example" not in out:
+            out["example"] = next(pf.iter_batches(batch_size=1)).to_pylist()[0]
+        cols = ["data_source"] + ([prompt_key] if tokenizer is not None else [])
+        for r, row in enumerate(pf.read(columns=cols).to_pylist()):
+            out["data_sources"][row["data_source"]] += 1
+            if tokenizer is not None:
+                msgs = _messages(row[prompt_key], f"{f} row {r}", prompt_key)
+                lengths.append(len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                 tokenize=True)))
+    out["data_sources"] = dict(out["data_sources"].most_common())
+    if lengths:
+        q = np.percentile(lengths, [0, 50, 90, 99, 100])
+        out["prompt_lengths"] = dict(zip(("min", "p50", "p90", "p99", "max"), q.tolist()))
+        if max_prompt_length is not None:
+            out["overlong"] = sum(n > max_prompt_length for n in lengths)
+    return out
+
+# -----------------------------------------------------------------------------
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="data tools for nanodapo (verl's parquet schema)")
@@ -312,6 +405,14 @@ def main(argv=None):
     p.add_argument("--train", type=int, default=4000, help="train rows")
     p.add_argument("--val", type=int, default=200, help="val rows")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("prepare-gsm8k", help="raw GSM8K -> OUT_DIR/{train,test}.parquet, as verl")
+    p.add_argument("raw", help="a folder with the train and test splits, or one raw split file")
+    p.add_argument("out_dir")
+    p = sub.add_parser("inspect", help="schema, row and data_source counts, prompt lengths")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--tokenizer", help="model folder; adds templated prompt length percentiles")
+    p.add_argument("--max_prompt_length", type=int, help="count prompts longer than this")
+    p.add_argument("--prompt_key", default="prompt")
     args = parser.parse_args(argv)
 
     if args.cmd == "jsonl2parquet":
@@ -323,6 +424,38 @@ def main(argv=None):
             path = os.path.join(args.out_dir, f"{split}.parquet")
             write_parquet(make_arith_rows(n, split, seed=args.seed), path)
             print(f"wrote {n} {split} rows to {path}")
+    elif args.cmd == "prepare-gsm8k":
+        if os.path.isfile(args.raw):  # one split file: its name says which
+            name = os.path.basename(args.raw)
+            splits = [(s, [args.raw]) for s in ("train", "test") if name.startswith(s)]
+            if not splits:
+                raise DataError(f"cannot tell the split of {args.raw}: name it train* or test*")
+        else:
+            splits = [(s, gsm8k_raw_files(args.raw, s)) for s in ("train", "test")]
+        for split, files in splits:
+            rows = read_gsm8k(files, split)
+            path = os.path.join(args.out_dir, f"{split}.parquet")
+            write_parquet(rows, path)
+            print(f"wrote {len(rows)} {split} rows from {', '.join(files)} to {path}")
+    elif args.cmd == "inspect":
+        if args.max_prompt_length is not None and not args.tokenizer:
+            parser.error("--max_prompt_length needs --tokenizer MODEL_DIR to count tokens")
+        tok = None
+        if args.tokenizer:
+            from model import Tokenizer  # torch is imported only when lengths are asked for
+            tok = Tokenizer.from_pretrained(args.tokenizer)
+        info = inspect_files(args.files, tok, args.max_prompt_length, args.prompt_key)
+        for f, d in info["files"].items():
+            print(f"{f}: {d['rows']} rows\n{d['schema']}\n")
+        print(f"rows: {info['rows']}\ndata_source: {info['data_sources']}\nexample row:")
+        for k, v in info["example"].items():
+            print(f"  {k}: {v!r:.300}")
+        if "prompt_lengths" in info:
+            lengths = ", ".join(f"{k} {v:g}" for k, v in info["prompt_lengths"].items())
+            print(f"templated prompt tokens: {lengths}")
+        if "overlong" in info:
+            print(f"longer than max_prompt_length={args.max_prompt_length}: "
+                  f"{info['overlong']} of {info['rows']} rows")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
     tie_word_embeddings: bool = False
-    attention_bias: bool = True  # q/k/v biases (Qwen2); o_proj never has one
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    attention_bias: bool | None = None  # q/k/v biases; None = the architecture's default (Qwen2: yes)
+    qk_norm: bool = False  # per-head RMSNorm on q and k: set for Qwen3, by the architecture
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
@@ -49,6 +49,9 @@ class ModelConfig:
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_bias is None:
+            self.attention_bias = self.architecture == "Qwen2ForCausalLM"
+        self.qk_norm = self.architecture == "Qwen3ForCausalLM"
         assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs heads % kv_heads == 0"
 
     @classmethod
@@ -84,7 +87,7 @@ class ModelConfig:
             head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
             rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=True if qwen2 else d.get("attention_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM", max_position_embeddings=d.get("max_position_embeddings", 32768),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), hf_config=dict(d))
 
     def to_hf(self, dtype: torch.dtype) -> dict:
@@ -116,7 +119,8 @@ class ModelConfig:
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies in fp32, with Llama-3 frequency-dependent scaling when configured."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    # device="cpu": the model may be built under torch.device("meta"), and these must be real numbers
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim))
     s = cfg.rope_scaling
     if s is not None:  # llama3: keep high frequencies, divide low ones by factor, interpolate between
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -182,7 +186,7 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
                                              is_causal=True, enable_gqa=H != k.shape[2])
         return out.transpose(1, 2)
     # packed documents (B == 1)
-    if _varlen_available(q.device):
+    if q.dtype in (torch.float16, torch.bfloat16) and _varlen_available(q.device):  # flash kernels: half only
         from torch.nn.attention.varlen import varlen_attn
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
@@ -221,11 +225,29 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.grad_sum_group = None  # set by tensor parallelism on per-head norms (each rank sees some heads)
 
     def forward(self, x):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        w = self.weight if self.grad_sum_group is None else _SumGrad.apply(self.weight, self.grad_sum_group)
+        return w * xf.to(x.dtype)
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over a process group (a replicated weight used on
+    disjoint shards of the heads gets a partial gradient on each rank)."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        torch.distributed.all_reduce(g, group=ctx.group)
+        return g, None
 
 
 class Attention(nn.Module):
@@ -296,7 +318,7 @@ class Transformer(nn.Module):
         # tied embeddings: no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False  # activation checkpointing per decoder block
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.inv_freq = rope_inv_freq(cfg)  # fp32, a plain attribute so that .to(bf16) never rounds it
 
     def init_weights(self, std: float = 0.02, seed: int | None = None):
         """Random init (tests, benchmarks, the demo's warm start): normal(0, std), zero biases, unit norms."""
@@ -308,7 +330,6 @@ class Transformer(nn.Module):
                     m.bias.data.zero_()
             elif isinstance(m, RMSNorm):
                 m.weight.data.fill_(1.0)
-        self.inv_freq = rope_inv_freq(self.config).to(self.output_weight.device)
         return self
 
     @property
@@ -328,7 +349,9 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        freqs = position_ids[..., None].float() * self.inv_freq.to(input_ids.device)  # [B, T, D/2]
+        if self.inv_freq.device != input_ids.device:  # moved once (not inside a CUDA-graph capture)
+            self.inv_freq = self.inv_freq.to(input_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
@@ -431,7 +454,6 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
     params = dict(model.named_parameters())
     loaded = set()
     for f in files:

@@ -85,7 +85,7 @@ class TorchEngine:
         self.max_num_seqs = max_num_seqs
         self.device = model.output_weight.device
         self.use_cuda_graph = (self.device.type == "cuda") if use_cuda_graph is None else use_cuda_graph
-        self._cache, self._graphs = None, {}
+        self._cache, self._graphs, self._pool = None, {}, None  # graphs live in one memory pool
 
     # interface shared with the vLLM engine -----------------------------------
     def update_weights(self, named_tensors):
@@ -96,7 +96,7 @@ class TorchEngine:
                 params[name].copy_(t)
 
     def sleep(self):
-        self._cache, self._graphs = None, {}
+        self._cache, self._graphs, self._pool = None, {}, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -124,7 +124,7 @@ class TorchEngine:
             return c
         cfg, dtype = self.model.config, self.model.output_weight.dtype
         shape = (rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self._graphs = {}
+        self._graphs, self._pool = {}, None  # graphs captured over the old cache are invalid
         self._cache = [(torch.zeros(shape, dtype=dtype, device=self.device),
                         torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
         return self._cache
@@ -159,17 +159,18 @@ class TorchEngine:
         bucket = next(b for b in _buckets(self.max_num_seqs) if b >= rows)
         if bucket not in self._graphs:
             self._graphs[bucket] = self._capture(bucket, cache)
-        graph, t_in, p_in, logits_out = self._graphs[bucket]
+        graph, t_in, p_in, logits_out, _ = self._graphs[bucket]
         t_in[:rows], p_in[:rows] = tokens, cache_pos
-        p_in[rows:] = 0  # padding rows write their own (unused) cache rows at position 0
+        p_in[rows:] = cache[0][0].shape[2] - 1  # padding rows write a slot no live row reads
         graph.replay()
         return logits_out[:rows]
 
     def _capture(self, bucket: int, cache):
-        t_in = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        p_in = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        kv = [(k[:bucket], v[:bucket]) for k, v in cache]
         L = cache[0][0].shape[2]
+        t_in = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        # warm-up and capture really run: write at the last slot, which no live row ever attends to
+        p_in = torch.full((bucket,), L - 1, dtype=torch.long, device=self.device)
+        kv = [(k[:bucket], v[:bucket]) for k, v in cache]
         rows = torch.arange(bucket, device=self.device)
 
         def step():
@@ -186,7 +187,7 @@ class TorchEngine:
         with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
             out = step()
         self._pool = graph.pool()
-        return graph, t_in, p_in, out
+        return graph, t_in, p_in, out, rows  # rows: the graph reads it on every replay, keep it alive
 
     def _generate_wave(self, prompts, params, g):
         n, T = params.n, params.max_tokens

@@ -1,6 +1,8 @@
 """Specification of data.py: verl-schema parquet in, prompt ids / index batches out."""
 import json
 import random
+import sys
+import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -385,3 +387,149 @@ def test_jsonl2parquet_errors_name_line(tmp_path, line, phrase):
     src.write_text(json.dumps(row("a")) + "\n" + line + "\n")
     with pytest.raises(DataError, match=phrase.replace("(", r"\(")):
         data.main(["jsonl2parquet", str(src), str(tmp_path / "o.parquet")])
+
+# -----------------------------------------------------------------------------
+# GSM8K as verl's examples/data_preprocess/gsm8k.py writes it
+
+GSM8K_SUFFIX = ' Let\'s think step by step and output the final answer after "####".'
+
+
+def test_gsm8k_row_matches_verl():
+    q, a = "How many?", "10 * 100 = <<10*100=1000>>1000\n#### 1,000"
+    assert data.gsm8k_row(q, a, "train", 3) == {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "How many? Let's think step by step and output the "
+                                               'final answer after "####".'}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "1000"},
+        "extra_info": {"split": "train", "index": 3, "answer": a, "question": q}}
+
+
+@pytest.mark.parametrize("answer,gt", [("#### -12", "-12"), ("x\n#### 0.5", "0.5"),
+                                       ("#### 7 then #### 8", "7"), ("####  9 #### 1,234,567", "1234567")])
+def test_gsm8k_ground_truth_extraction(answer, gt):
+    # verl: re.search("#### (\-?[0-9\.\,]+)"), first match, commas removed
+    assert data.gsm8k_row("q", answer, "test", 0)["reward_model"]["ground_truth"] == gt
+
+
+def raw_gsm8k(n, split):
+    return [{"question": f"{split} q{i}", "answer": f"so {i}\n#### {i},00{i}"} for i in range(n)]
+
+
+def check_prepared(out, split, raw):
+    """The prepared file holds verl's rows for `raw` in order, and loads with load_prompts."""
+    path = str(out / f"{split}.parquet")
+    table = pq.read_table(path)
+    assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    assert table.schema.field("extra_info").type.field("index").type == pa.int64()
+    got = table.to_pylist()
+    assert [r["extra_info"] for r in got] == [{"split": split, "index": i, "answer": x["answer"],
+                                               "question": x["question"]} for i, x in enumerate(raw)]
+    assert [r["reward_model"] for r in got] == [
+        {"style": "rule", "ground_truth": f"{i}00{i}"} for i in range(len(raw))]
+    items = load([path])
+    assert [it["prompt_ids"] for it in items] == [ids("U" + x["question"] + GSM8K_SUFFIX + ">") for x in raw]
+    assert {it["data_source"] for it in items} == {"openai/gsm8k"}
+
+
+def test_prepare_gsm8k_hf_parquet_layout(tmp_path):
+    train, test = raw_gsm8k(3, "train"), raw_gsm8k(2, "test")
+    (tmp_path / "raw/main").mkdir(parents=True)
+    # two train shards: the index runs on across them, 0 1 2
+    pq.write_table(pa.Table.from_pylist(train[:2]), tmp_path / "raw/main/train-00000-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(train[2:]), tmp_path / "raw/main/train-00001-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(test), tmp_path / "raw/main/test-00000-of-00001.parquet")
+    data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+    check_prepared(tmp_path / "out", "train", train)
+    check_prepared(tmp_path / "out", "test", test)
+
+
+def test_prepare_gsm8k_jsonl_layout_and_single_file(tmp_path):
+    train, test = raw_gsm8k(2, "train"), raw_gsm8k(1, "test")
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw/train.jsonl").write_text("\n".join(json.dumps(x) for x in train) + "\n\n")
+    (tmp_path / "raw/test.jsonl").write_text(json.dumps(test[0]) + "\n")
+    data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+    check_prepared(tmp_path / "out", "train", train)
+    check_prepared(tmp_path / "out", "test", test)
+    # one file: its name gives the split, and only that split is written
+    data.main(["prepare-gsm8k", str(tmp_path / "raw/test.jsonl"), str(tmp_path / "one")])
+    check_prepared(tmp_path / "one", "test", test)
+    assert not (tmp_path / "one/train.parquet").exists()
+
+
+def test_prepare_gsm8k_errors(tmp_path):
+    bad = raw_gsm8k(2, "train")
+    bad[1]["answer"] = "the answer is 5"
+    (tmp_path / "raw/main").mkdir(parents=True)
+    (tmp_path / "raw/train.jsonl").write_text("\n".join(json.dumps(x) for x in bad))
+    (tmp_path / "raw/test.jsonl").write_text(json.dumps(raw_gsm8k(1, "test")[0]))
+    with pytest.raises(DataError, match=r"train.jsonl line 2: answer has no '#### <number>'"):
+        data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+    pq.write_table(pa.Table.from_pylist(bad), tmp_path / "raw/main/train-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"train-00000-of-00001.parquet row 1: answer has no"):
+        data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+    with pytest.raises(DataError, match="no raw GSM8K test split in .*raw/main: looked for main/test-"):
+        data.main(["prepare-gsm8k", str(tmp_path / "raw/main"), str(tmp_path / "out")])  # train only
+    (tmp_path / "raw/train.jsonl").write_text('{"question": "q"}\n')
+    with pytest.raises(DataError, match="train.jsonl line 1: expected string fields 'question' and 'answer'"):
+        data.main(["prepare-gsm8k", str(tmp_path / "raw/train.jsonl"), str(tmp_path / "out")])
+
+# -----------------------------------------------------------------------------
+# inspect, on files shaped like DAPO-Math-17k and AIME-2024 (BytedTsinghua-SIA)
+
+DAPO_PROMPT = ("Solve the following math problem step by step. The last line of your response should be "
+               "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+               "\n\n{}\n\nRemember to put your answer on its own line after \"Answer:\".")
+
+
+def dapo_row(problem, ds, gt, index):
+    return {"data_source": ds, "prompt": [{"content": DAPO_PROMPT.format(problem), "role": "user"}],
+            "ability": "MATH", "reward_model": {"ground_truth": gt, "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": index}}
+
+
+def dapo_and_aime(tmp_path):
+    dapo = [dapo_row("a", "math_dapo", "34", "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"),
+            dapo_row("bb", "math_dapo", "5", "b426d104-244d-4831-a2c4-cd756b61700a"),
+            dapo_row("ccccc", "math_dapo", "12", "6ff0b17f-7e5c-4ae9-b5e9-63ebecd2b9f7")]
+    aime = [dapo_row("ddd", "aime24", "204", "0"), dapo_row("eeeeeeeee", "aime24", "25", "1")]
+    return dapo, write(tmp_path, "dapo-math-17k.parquet", dapo), write(tmp_path, "aime-2024.parquet", aime)
+
+
+def test_inspect_counts_and_example(tmp_path):
+    dapo, a, b = dapo_and_aime(tmp_path)
+    info = data.inspect_files([a, b])
+    assert {f: d["rows"] for f, d in info["files"].items()} == {a: 3, b: 2}
+    assert info["rows"] == 5
+    assert info["data_sources"] == {"math_dapo": 3, "aime24": 2}
+    assert info["example"] == dapo[0]
+    assert pa.types.is_list(info["files"][a]["schema"].field("prompt").type)
+    assert "prompt_lengths" not in info and "overlong" not in info
+
+
+def test_inspect_prompt_lengths(tmp_path):
+    _, a, b = dapo_and_aime(tmp_path)
+    base = len(DAPO_PROMPT.format("")) + 2  # CharTokenizer adds "U" and ">"
+    # problem lengths 1 2 5 | 3 9, sorted 1 2 3 5 9; linear percentile at position p * (5 - 1):
+    # p50 -> 3, p90 -> 5 + 0.6 * (9 - 5) = 7.4, p99 -> 5 + 0.96 * 4 = 8.84
+    info = data.inspect_files([a, b], TOK, max_prompt_length=base + 3)
+    assert info["prompt_lengths"] == pytest.approx(
+        {"min": base + 1, "p50": base + 3, "p90": base + 7.4, "p99": base + 8.84, "max": base + 9})
+    assert info["overlong"] == 2  # problems of 5 and 9 characters
+    assert data.inspect_files([a, b], TOK, max_prompt_length=base + 9)["overlong"] == 0
+
+
+def test_inspect_cli_prints(tmp_path, capsys, monkeypatch):
+    _, a, b = dapo_and_aime(tmp_path)
+    fake_model = types.SimpleNamespace(Tokenizer=types.SimpleNamespace(from_pretrained=lambda d: TOK))
+    monkeypatch.setitem(sys.modules, "model", fake_model)  # the CLI imports model only for --tokenizer
+    base = len(DAPO_PROMPT.format("")) + 2
+    data.main(["inspect", a, b, "--tokenizer", "some/model", "--max_prompt_length", str(base + 3)])
+    out = capsys.readouterr().out
+    for phrase in [f"{a}: 3 rows", f"{b}: 2 rows", "rows: 5", "{'math_dapo': 3, 'aime24': 2}",
+                   "ground_truth': '34'", f"min {base + 1}, p50 {base + 3}, p90 {base + 7.4:g}",
+                   f"max_prompt_length={base + 3}: 2 of 5 rows"]:
+        assert phrase in out
+    with pytest.raises(SystemExit):
+        data.main(["inspect", a, "--max_prompt_length", "5"])  # lengths need a tokenizer
