@@ -225,3 +225,66 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
         for g in grads:
             g.detach().mul_(max_norm / (total + 1e-6))
     return total
+
+
+def all_reduce_max(value: int, dims: ParallelDims) -> int:
+    if dims.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+# -----------------------------------------------------------------------------
+# distributed checkpoints: out_dir/checkpoints/step_N/{dcp/, trainer_state.pt, COMPLETE, + an HF export}
+
+
+def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims: ParallelDims, export=None):
+    """Model and optimizer shards through torch.distributed.checkpoint (reloadable at any world size), the
+    trainer state and every rank's RNG from rank 0, and export(tmp_dir) (collective, e.g. HF safetensors).
+    Written to path + ".tmp" and renamed once complete, so a crash never leaves a checkpoint that looks whole."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    tmp = path + ".tmp"
+    if dims.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier(dims)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"),
+             no_dist=not dist.is_initialized())
+    rngs = all_gather_objects(rng_state(dims.device), dims)
+    if export is not None:
+        export(tmp)
+    if dims.is_main:
+        torch.save({**trainer_state, "rng": rngs}, os.path.join(tmp, "trainer_state.pt"))
+        with open(os.path.join(tmp, "COMPLETE"), "w") as f:
+            f.write("ok\n")
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    barrier(dims)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest step_N under root that has its COMPLETE marker."""
+    if not os.path.isdir(root):
+        return None
+    done = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()
+            and os.path.isfile(os.path.join(root, d, "COMPLETE"))]
+    return os.path.join(root, max(done, key=lambda d: int(d[5:]))) if done else None
+
+
+def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
+    """Load shards saved at any world size into this run's sharding; returns the trainer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"), no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    rngs = trainer_state.pop("rng")
+    set_rng_state(rngs[dims.rank % len(rngs)], dims.device)
+    return trainer_state

@@ -14,12 +14,11 @@ One training step, in the order this file reads (REFERENCE.md has the exact sema
  4. keep groups with reward variance, refill   8. metrics, validation, checkpoint
 """
 import ast
-import copy
+import contextlib
 import difflib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import types
@@ -103,6 +102,11 @@ class Config:
     val_do_sample: bool = True  # False = greedy validation
     rollout_engine: str = "auto"  # auto | torch
     max_num_seqs: int = 256  # rows the built-in engine decodes at once
+    weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size (multi-GPU)
+    # parallelism (torchrun sets the world size; dp = world_size / tp_size, FSDP2 shards over dp)
+    tp_size: int = 1  # tensor parallel degree for training
+    param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
+    optimizer_offload: bool = False  # same policy as param_offload: FSDP2 offloads all three together
     # schedule
     total_epochs: int = 1
     total_training_steps: int = 0  # 0 = derived from total_epochs; a step = train_batch_size kept groups
@@ -211,12 +215,15 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     need(B % M == 0, f"ppo_mini_batch_size={M} must divide train_batch_size={B} (one optimizer step per mini-batch)")
     need(cfg.gen_batch_size >= B or cfg.filter_groups,
          f"gen_batch_size={cfg.gen_batch_size} < train_batch_size={B} needs filter_groups=True (refill rounds)")
-    need((M * G) % world_size == 0, f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over "
-                                    f"{world_size} ranks")
-    per_rank = M * G // world_size
+    need(cfg.tp_size >= 1 and world_size % cfg.tp_size == 0, f"tp_size={cfg.tp_size} must divide the world "
+                                                             f"size {world_size}")
+    dp = world_size // cfg.tp_size
+    need((M * G) % dp == 0, f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over "
+                            f"{dp} data-parallel ranks (world_size / tp_size)")
+    per_rank = M * G // dp
     need(cfg.use_dynamic_bsz or per_rank % cfg.ppo_micro_batch_size_per_gpu == 0,
          f"ppo_micro_batch_size_per_gpu={cfg.ppo_micro_batch_size_per_gpu} must divide the per-rank mini-batch "
-         f"ppo_mini_batch_size*n/world_size={per_rank}")
+         f"ppo_mini_batch_size*n/dp={per_rank}")
     max_seq = cfg.max_prompt_length + cfg.max_response_length
     if cfg.use_dynamic_bsz:
         for k in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
@@ -261,7 +268,7 @@ def batch_arithmetic(cfg: Config, world_size: int, num_train_prompts: int | None
     a = {"world_size": world_size, "prompts_per_generation_round": cfg.gen_batch_size,
          "trajectories_per_generation_round": cfg.gen_batch_size * G, "trajectories_per_step": B * G,
          "optimizer_steps_per_step": cfg.ppo_epochs * B // M, "mini_batch_trajectories": M * G,
-         "per_rank_mini_batch": M * G // world_size}
+         "per_rank_mini_batch": M * G // (world_size // cfg.tp_size)}
     a["accumulation_steps"] = ("token budget" if cfg.use_dynamic_bsz else
                                a["per_rank_mini_batch"] // cfg.ppo_micro_batch_size_per_gpu)
     if num_train_prompts is not None:
@@ -403,13 +410,25 @@ def concat_trajectories(parts: list[Trajectories], R: int) -> Trajectories:
     return Trajectories(**out)
 
 
-def micro_batches(traj: Trajectories, idx: list[int], count: int, token_budget: int | None) -> list[list[int]]:
-    """Split trajectory indices into micro-batches by count, or by token budget (use_dynamic_bsz)."""
+def micro_batches(traj: Trajectories, idx: list[int], count: int, token_budget: int | None, dims) -> list[list[int]]:
+    """Split trajectory indices into micro-batches by count, or by token budget (use_dynamic_bsz). Every rank
+    gets the same number of micro-batches: a sharded model's forward is a collective."""
     if token_budget is None:
         return [idx[i:i + count] for i in range(0, len(idx), count)]
     import data
+    import parallel
     lens = [len(traj.prompt_ids[i]) + len(traj.response_ids[i]) for i in idx]
-    return [[idx[j] for j in mb] for mb in data.balanced_micro_batches(lens, token_budget)]
+    split = data.balanced_micro_batches(lens, token_budget)
+    n = parallel.all_reduce_max(len(split), dims)
+    if n > len(split):
+        split = data.balanced_micro_batches(lens, token_budget, min_num_micro_batches=n)
+    return [[idx[j] for j in mb] for mb in split]
+
+
+def rank_share(idx: list[int], dims) -> list[int]:
+    """This data-parallel rank's contiguous slice of idx (ranks of one TP group share data)."""
+    per = len(idx) // dims.dp
+    return idx[dims.dp_rank * per:(dims.dp_rank + 1) * per]
 
 
 def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, with_entropy: bool):
@@ -432,14 +451,23 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
 
 
 @torch.no_grad()
-def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx) -> torch.Tensor:
-    """Log-probs of every trajectory's response under `model`, in token-budget or counted micro-batches."""
+def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx, dims) -> torch.Tensor:
+    """Log-probs of every trajectory's response under `model`: each dp rank computes its share in
+    token-budget or counted micro-batches, then all ranks exchange them."""
+    import parallel
     budget = cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+    mine = list(range(len(traj)))
+    if dims.dp > 1:  # pad to a multiple of dp with repeats so every rank runs the same forwards
+        mine = mine + mine[:(-len(mine)) % dims.dp]
+        mine = rank_share(mine, dims)
     out = torch.zeros_like(traj.response_mask, dtype=torch.float32)
-    for mb in micro_batches(traj, list(range(len(traj))), cfg.log_prob_micro_batch_size_per_gpu, budget):
+    for mb in micro_batches(traj, mine, cfg.log_prob_micro_batch_size_per_gpu, budget, dims):
         with ctx:
             logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False)
         out[mb] = logp.float().cpu()
+    if dims.dp > 1:
+        for idx, part in parallel.all_gather_objects((mine, out[mine]), dims):
+            out[idx] = part
     return out
 
 
@@ -447,21 +475,25 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx) -> torch.Tenso
 # the policy update
 
 
-def update_policy(model, ref_model, optimizer, scheduler, traj: Trajectories, cfg: Config, ctx) -> dict:
-    """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Micro-batch losses are weighted
-    by their share of the mini-batch's tokens (token-mean) or sequences, so the gradient is exactly that
-    of the whole mini-batch whatever the micro-batch split."""
+def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, ctx, dims) -> dict:
+    """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Every rank holds the whole batch
+    and trains on its share of each mini-batch. A micro-batch's loss is weighted by its share of the whole
+    mini-batch's tokens (token-mean) or sequences, times dp because FSDP averages gradients over ranks,
+    so the gradient is exactly that of the whole mini-batch whatever the micro-batch split or world size."""
+    import parallel
     T, G = len(traj), cfg.n
     mb_size = cfg.ppo_mini_batch_size * G
     budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
     sums, grad_norms, skipped = {}, [], 0
+    n_minibatches = cfg.ppo_epochs * math.ceil(T / mb_size)
     model.train()
     for _ in range(cfg.ppo_epochs):
         for start in range(0, T, mb_size):
             idx = list(range(start, min(start + mb_size, T)))
-            total_tokens = float(traj.response_mask[idx].sum())
+            total_tokens = float(traj.response_mask[idx].sum())  # global: every rank sees the whole batch
             optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(traj, idx, cfg.ppo_micro_batch_size_per_gpu, budget):
+            finite = True
+            for mb in micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims):
                 mask = traj.response_mask[mb]
                 weight = (float(mask.sum()) / total_tokens if cfg.loss_agg_mode == "token-mean"
                           else len(mb) / len(idx))
@@ -482,17 +514,19 @@ def update_policy(model, ref_model, optimizer, scheduler, traj: Trajectories, cf
                     m["kl_loss"] = kl.item()
                 if traj.old_logp is None:  # on-policy shortcut: this forward's log-probs are the old ones
                     m["logp_mismatch"] = _mismatch(logp.detach().cpu(), traj.rollout_logp[mb], mask.cpu())
-                (loss * weight).backward()
+                (loss * weight * dims.dp).backward()
+                finite = finite and math.isfinite(loss.item())
                 for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v * weight / (cfg.ppo_epochs * math.ceil(T / mb_size))
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-            if math.isfinite(grad_norm) and all(math.isfinite(v) for v in sums.values()):
+                    sums[k] = sums.get(k, 0.0) + v * weight * dims.dp / n_minibatches
+            grad_norm = parallel.clip_grad_norm_(list(model.parameters()), cfg.grad_clip)
+            if math.isfinite(grad_norm) and finite:
                 optimizer.step()
             else:  # a non-finite loss or gradient would poison the weights: skip and log it
                 skipped += 1
                 optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             grad_norms.append(grad_norm)
+    sums = parallel.all_reduce_mean(sums, dims)
     out = {f"actor/{k}": v for k, v in sums.items() if k != "logp_mismatch"}
     if "logp_mismatch" in sums:
         out["rollout/logp_mismatch"] = sums["logp_mismatch"]
@@ -595,54 +629,30 @@ def dynamic_sampling(generation_round, cfg: Config):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: out_dir/checkpoints/step_N/ (HF model dir + optimizer + trainer state), written atomically
+# checkpoints (parallel.py writes them atomically; here: what goes in, and the HF export)
 
 
-def save_checkpoint(out_dir, step, model, optimizer, scheduler, sampler, device):
+def export_hf(model, path: str, dims, dtype):
+    """Full weights gathered bucket by bucket, written by rank 0 as an HF model directory (transformers/vLLM)."""
     import model as M
     import parallel
-    root = os.path.join(out_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".step_{step}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    M.save_pretrained(model, tmp)
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-                "rng": parallel.rng_state(device)}, os.path.join(tmp, "trainer_state.pt"))
-    with open(os.path.join(tmp, "COMPLETE"), "w") as f:
-        f.write(str(step))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)  # atomic: a checkpoint directory either is complete or does not exist
-    return final
+    full = {}
+    for bucket in parallel.iter_full_weights(model, dtype=dtype):
+        if dims.is_main:
+            full.update((k, v.cpu()) for k, v in bucket)
+    if dims.is_main:
+        M.save_pretrained(model, path, state_dict=full)
 
 
-def latest_checkpoint(out_dir) -> str | None:
-    root = os.path.join(out_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    done = [d for d in os.listdir(root) if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "COMPLETE"))]
-    return os.path.join(root, max(done, key=lambda d: int(d.split("_")[1]))) if done else None
-
-
-def load_checkpoint(path, model, optimizer, scheduler, sampler, device) -> int:
+def check_resume_shape(path: str, model):
     import model as M
-    import parallel
-    from safetensors.torch import load_file
-    saved = M.load_config(path)
-    if (saved.hidden_size, saved.num_hidden_layers, saved.vocab_size) != (
-            model.config.hidden_size, model.config.num_hidden_layers, model.config.vocab_size):
-        raise ConfigError(f"checkpoint {path} is of a different model shape than model_path; "
-                          "use another out_dir or resume='disable'")
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for f in M.safetensors_files(path):
-            for k, v in load_file(f).items():
-                params[k].copy_(v)
-    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device))
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    scheduler.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["sampler"])
-    parallel.set_rng_state(state["rng"], device)
-    return state["step"]
+    saved, cur = M.load_config(path), model.config
+    fields_ = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    diff = [f"{f}: checkpoint {getattr(saved, f)} vs model_path {getattr(cur, f)}" for f in fields_
+            if getattr(saved, f) != getattr(cur, f)]
+    if diff:
+        raise ConfigError(f"checkpoint {path} holds a different model ({'; '.join(diff)}); point out_dir "
+                          "elsewhere, or set resume='disable' to start fresh")
 
 
 # -----------------------------------------------------------------------------
@@ -727,23 +737,24 @@ def plot(out_dir: str) -> str:
 # validation
 
 
-def validate_policy(engine, tokenizer, scorer, val_prompts, cfg: Config, step: int) -> dict:
-    """mean@val_n accuracy per data_source (and overall) on the val set; saves a few example generations."""
-    traj, texts, _ = generate_and_score(
-        engine, tokenizer, scorer, val_prompts, cfg, seed=cfg.seed + 7919 * (step + 1), n=cfg.val_n,
-        temperature=cfg.val_temperature if cfg.val_do_sample else 0.0, top_p=cfg.val_top_p, top_k=cfg.val_top_k)
+def validation_metrics(traj: Trajectories) -> dict:
+    """mean@val_n accuracy per data_source and overall."""
     metrics = {"val/acc": traj.acc.mean().item(), "val/score_mean": traj.score.mean().item()}
     for ds in sorted(set(traj.data_sources)):
         sel = torch.tensor([d == ds for d in traj.data_sources])
         metrics[f"val/acc/{ds}"] = traj.acc[sel].mean().item()
-    if cfg.log_val_generations > 0:
-        with open(os.path.join(cfg.out_dir, f"val_generations_step{step}.jsonl"), "w") as f:
-            for i in range(min(cfg.log_val_generations, len(texts))):
-                p = val_prompts[i // cfg.val_n]
-                f.write(json.dumps({"prompt": tokenizer.decode(p["prompt_ids"], skip_special_tokens=False),
-                                    "response": texts[i], "ground_truth": p["ground_truth"],
-                                    "score": traj.score[i].item()}) + "\n")
     return metrics
+
+
+def save_val_generations(traj: Trajectories, texts: list[str], val_prompts, tokenizer, cfg: Config, step: int):
+    if cfg.log_val_generations <= 0:
+        return
+    with open(os.path.join(cfg.out_dir, f"val_generations_step{step}.jsonl"), "w") as f:
+        for i in range(min(cfg.log_val_generations, len(texts))):
+            p = val_prompts[i // cfg.val_n]
+            f.write(json.dumps({"prompt": tokenizer.decode(p["prompt_ids"], skip_special_tokens=False),
+                                "response": texts[i], "ground_truth": p["ground_truth"],
+                                "score": traj.score[i].item()}) + "\n")
 
 
 # -----------------------------------------------------------------------------
@@ -757,15 +768,18 @@ def train(cfg: Config):
     import reward
     from rollout import make_engine
 
-    validate(cfg, world_size=1)
-    device = parallel.get_device(cfg.device)
+    dims = parallel.init_distributed(cfg.device, cfg.tp_size)
+    validate(cfg, world_size=dims.world_size)
+    device, main_rank = dims.device, dims.is_main
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     parallel.seed_everything(cfg.seed)
-    ctx = parallel.autocast(device, getattr(torch, cfg.dtype))
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(asdict(cfg), f, indent=2)
+    compute_dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.dtype)
+    log = print if main_rank else (lambda *a, **k: None)
+    if main_rank:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=2)
 
     # data, tokenizer, reward (cheap things that can fail come first)
     tokenizer = M.Tokenizer.from_pretrained(cfg.model_path)
@@ -776,62 +790,108 @@ def train(cfg: Config):
     val_prompts = load(cfg.val_files, cfg.val_max_samples) if cfg.val_files else []
     sampler = data.PromptSampler(len(train_prompts), seed=cfg.seed, shuffle=cfg.shuffle)
     scorer = reward.RewardScorer(cfg.reward_fn, num_workers=cfg.reward_num_workers, timeout_s=cfg.reward_timeout)
-    logger = Logger(cfg)
+    logger = Logger(cfg) if main_rank else None
 
-    # model, reference (only when a KL term is on), optimizer, engine
-    model = M.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
+    # the policy: fp32 master weights. One device: plain module under autocast. Several: TP and/or FSDP2
+    # shards with bf16 compute; the rollout engine then needs its own full copy, refreshed every step.
+    sharded = dims.world_size > 1
+    shard = (lambda m: parallel.parallelize(m, dims, param_dtype=compute_dtype,  # noqa: E731
+                                            offload=cfg.param_offload or cfg.optimizer_offload)) if sharded else None
+    model = M.from_pretrained(cfg.model_path, dtype=torch.float32, device=device, parallelize=shard)
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    ref_model = None
+    ref_model = None  # built only when a KL term is on
     if cfg.use_kl_loss or cfg.use_kl_in_reward:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = M.from_pretrained(cfg.model_path, dtype=torch.float32, device=device, parallelize=shard)
+        ref_model.eval().requires_grad_(False)
+    ctx = contextlib.nullcontext() if sharded else parallel.autocast(device, compute_dtype)
+    gen_model = M.from_pretrained(cfg.model_path, dtype=compute_dtype, device=device) if sharded else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * cfg.ppo_epochs * cfg.train_batch_size //
                                cfg.ppo_mini_batch_size)
-    engine = make_engine(cfg.rollout_engine, model, max_num_seqs=cfg.max_num_seqs)
+    engine = make_engine(cfg.rollout_engine, gen_model, max_num_seqs=cfg.max_num_seqs, log=log)
 
     step = 0
+    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
     ckpt = cfg.resume if cfg.resume not in ("auto", "disable") else (
-        latest_checkpoint(cfg.out_dir) if cfg.resume == "auto" else None)
+        parallel.latest_checkpoint(ckpt_root) if cfg.resume == "auto" else None)
     if ckpt:
-        step = load_checkpoint(ckpt, model, optimizer, scheduler, sampler, device)
-        print(f"resumed from {ckpt} at step {step}")
-    print(f"training {total_steps} steps ({steps_per_epoch} per epoch) on {device}; "
-          f"{json.dumps(batch_arithmetic(cfg, 1, len(train_prompts)))}")
+        check_resume_shape(ckpt, model)
+        state = parallel.load_checkpoint(ckpt, model, optimizer, dims)
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        step = state["step"]
+        log(f"resumed from {ckpt} at step {step}")
+    log(f"training {total_steps} steps ({steps_per_epoch} per epoch) on {dims.world_size} x {device.type}; "
+        f"{json.dumps(batch_arithmetic(cfg, dims.world_size, len(train_prompts)))}")
+
+    synced = [not sharded]  # does the engine hold the current weights?
+
+    def sync_weights() -> float:
+        """Push the trainer's weights into the engine's copy (bucketed full tensors); seconds taken."""
+        if synced[0]:
+            return 0.0
+        t0 = time.perf_counter()
+        for bucket in parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=compute_dtype):
+            engine.update_weights(bucket)
+        synced[0] = True
+        return time.perf_counter() - t0
+
+    def rollout(prompts, seed, group_offset, **sampling) -> Trajectories:
+        """Each rank generates and scores its share of the prompts; every rank gets the whole round."""
+        k = math.ceil(len(prompts) / dims.world_size)
+        lo = min(dims.rank * k, len(prompts))
+        model.eval()
+        engine.wake_up()
+        with ctx:
+            traj, texts, stats = generate_and_score(engine, tokenizer, scorer, prompts[lo:lo + k], cfg,
+                                                    seed=seed + 100003 * dims.rank, group_offset=group_offset + lo,
+                                                    **sampling)
+        engine.sleep()
+        parts = parallel.all_gather_objects((traj, texts, stats), dims)
+        traj = concat_trajectories([p[0] for p in parts if len(p[0])], cfg.max_response_length)
+        stats = {key: sum(p[2][key] for p in parts) for key in stats}
+        stats["gen_s"], stats["reward_s"] = parts[0][2]["gen_s"], parts[0][2]["reward_s"]
+        return traj, [t for p in parts for t in p[1]], stats
+
+    def validate_now(at_step: int) -> dict:
+        t_sync = sync_weights()
+        traj, texts, _ = rollout(val_prompts, seed=cfg.seed + 7919 * (at_step + 1), group_offset=0, n=cfg.val_n,
+                                 temperature=cfg.val_temperature if cfg.val_do_sample else 0.0,
+                                 top_p=cfg.val_top_p, top_k=cfg.val_top_k)
+        metrics = validation_metrics(traj)
+        if main_rank:
+            save_val_generations(traj, texts, val_prompts, tokenizer, cfg, at_step)
+        return {**metrics, "timing/sync_val": t_sync}
 
     if val_prompts and cfg.val_before_train and step == 0:
-        model.eval()
-        with ctx:
-            m = validate_policy(engine, tokenizer, scorer, val_prompts, cfg, step)
-        logger.log(step, m)
+        m = validate_now(step)
+        if main_rank:
+            logger.log(step, m)
 
     while step < total_steps:
         t_step = time.perf_counter()
-        timing = {"gen": 0.0, "reward": 0.0, "old_logp": 0.0, "ref": 0.0, "update": 0.0, "sync": 0.0}
+        timing = {"gen": 0.0, "reward": 0.0, "old_logp": 0.0, "ref": 0.0, "update": 0.0, "sync": sync_weights()}
+        timeouts = [0]
+
         # 1-4: generation rounds until train_batch_size groups with reward variance survive
         def generation_round(r: int) -> Trajectories:
             prompts = [train_prompts[i] for i in sampler.next_indices(cfg.gen_batch_size)]
-            model.eval()
-            engine.wake_up()
-            with ctx:
-                traj, _, stats = generate_and_score(
-                    engine, tokenizer, scorer, prompts, cfg, seed=cfg.seed + 1000 * step + r, n=cfg.n,
-                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, group_offset=r * cfg.gen_batch_size)
-            engine.sleep()
+            traj, _, stats = rollout(prompts, seed=cfg.seed + 1000 * step + r, group_offset=r * cfg.gen_batch_size,
+                                     n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
             timing["gen"] += stats["gen_s"]
             timing["reward"] += stats["reward_s"]
             timeouts[0] += stats["num_timeouts"]
             t0 = time.perf_counter()
             traj.seq_final_reward = traj.seq_reward
             if cfg.use_kl_in_reward:  # seq_final_reward = seq_reward - kl_coef * sum of token KL
-                traj.ref_logp = compute_logprobs(ref_model, traj, cfg, ctx)
-                kl = kl_penalty(compute_logprobs(model, traj, cfg, ctx), traj.ref_logp, cfg.kl_penalty)
+                traj.ref_logp = compute_logprobs(ref_model, traj, cfg, ctx, dims)
+                kl = kl_penalty(compute_logprobs(model, traj, cfg, ctx, dims), traj.ref_logp, cfg.kl_penalty)
                 traj.seq_final_reward = traj.seq_reward - cfg.kl_coef * (kl * traj.response_mask).sum(-1)
             timing["ref"] += time.perf_counter() - t0
             return traj
 
-        timeouts = [0]
         batch, everything, rounds = dynamic_sampling(generation_round, cfg)
 
         # 5. advantages from the (final) scalar reward, per group
@@ -843,17 +903,18 @@ def train(cfg: Config):
         on_policy = cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size
         metrics = {}
         if not on_policy:
-            batch.old_logp = compute_logprobs(model, batch, cfg, ctx)
+            batch.old_logp = compute_logprobs(model, batch, cfg, ctx, dims)
             metrics["rollout/logp_mismatch"] = _mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
         timing["old_logp"] = time.perf_counter() - t0
         if cfg.use_kl_loss:
             t0 = time.perf_counter()
-            batch.ref_logp = compute_logprobs(ref_model, batch, cfg, ctx)
+            batch.ref_logp = compute_logprobs(ref_model, batch, cfg, ctx, dims)
             timing["ref"] += time.perf_counter() - t0
 
         # 7. update
         t0 = time.perf_counter()
-        metrics.update(update_policy(model, ref_model, optimizer, scheduler, batch, cfg, ctx))
+        metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, ctx, dims))
+        synced[0] = not sharded
         timing["update"] = time.perf_counter() - t0
         step += 1
 
@@ -870,18 +931,21 @@ def train(cfg: Config):
         })
         last = step == total_steps
         if val_prompts and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or last):
-            model.eval()
-            with ctx:
-                metrics.update(validate_policy(engine, tokenizer, scorer, val_prompts, cfg, step))
+            metrics.update(validate_now(step))
         timing["step"] = time.perf_counter() - t_step
         metrics.update({f"timing/{k}": v for k, v in timing.items()})
         metrics["perf/tokens_per_s"] = batch.total_tokens() / timing["step"]
+        metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / dims.world_size
         if device.type != "cpu":
             metrics["perf/max_memory_allocated_gib"] = parallel.max_memory_allocated_gib(device)
-        logger.log(step, metrics)
+        if main_rank:
+            logger.log(step, metrics)
         if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or last:
-            save_checkpoint(cfg.out_dir, step, model, optimizer, scheduler, sampler, device)
+            state = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict()}
+            export = lambda tmp: export_hf(model, tmp, dims, compute_dtype)  # noqa: E731
+            parallel.save_checkpoint(os.path.join(ckpt_root, f"step_{step}"), model, optimizer, state, dims, export)
     scorer.close()
+    parallel.shutdown()
     return model
 
 
@@ -896,7 +960,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     try:
-        cfg, flags = parse_args(argv)
+        cfg, flags = parse_args([a for a in argv if a != "--"])  # torchrun: script -- --key=value
         if flags["dry_run"]:
             ws = world_size_for(cfg)
             validate(cfg, ws)
@@ -914,12 +978,12 @@ def main(argv: list[str]) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = cfg.out_dir
-    print(f"metrics: {os.path.join(out, 'metrics.jsonl')}")
-    try:
-        print(f"plot: {plot(out)}")
-    except ConfigError as e:
-        print(f"(no plot: {e})")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
+        try:
+            print(f"plot: {plot(cfg.out_dir)}")
+        except ConfigError as e:
+            print(f"(no plot: {e})")
     return 0
 
 

@@ -1,5 +1,10 @@
-"""Run under torchrun by tests/test_parallel.py: a few AdamW steps of a tiny model, sharded as asked
-(fsdp | tp | fsdp_tp), on CPU with gloo; rank 0 writes the full parameters and losses to OUT."""
+"""Run under torchrun by tests/test_parallel.py on CPU with gloo. Modes:
+  fsdp | tp | fsdp_tp   a few AdamW steps of a tiny Qwen3, sharded so; rank 0 saves full params + losses
+  update                train_dapo.update_policy on a fixed batch (token-mean over dp ranks), FSDP over all ranks
+  save | load           a train_dapo-style checkpoint written / read at this world size
+"""
+import contextlib
+import os
 import sys
 
 import torch
@@ -16,20 +21,20 @@ def tiny_config():
 
 def batch(seed=0):
     g = torch.Generator().manual_seed(seed)
-    docs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
-    return docs
+    return [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
 
 
-def train_steps(model, docs, rank_docs, n_tokens_total, world, steps=3):
-    """Loss = token-sum of -logp over this rank's docs / all tokens * world (FSDP averages gradients)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def train_steps(model, opt, dims, steps=3):
+    """Loss = token-sum of -logp over this dp rank's docs / all tokens * dp (FSDP averages gradients)."""
+    docs = batch()
+    n_tokens_total, rank_docs = sum(len(d) - 1 for d in docs), docs[dims.dp_rank::dims.dp]
     losses = []
     for _ in range(steps):
         opt.zero_grad()
         ids, pos, b = M.pack_sequences([d[:-1] for d in rank_docs])
         tgt = torch.tensor([t for d in rank_docs for t in d[1:]])[None]
         logp, _ = model(ids, pos, b, target_ids=tgt)
-        loss = -logp.sum() / n_tokens_total * world
+        loss = -logp.sum() / n_tokens_total * dims.dp
         loss.backward()
         parallel.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
@@ -37,29 +42,44 @@ def train_steps(model, docs, rank_docs, n_tokens_total, world, steps=3):
     return losses
 
 
-def main(mode, ckpt_dir, out):
-    tp = 2 if "tp" in mode else 1
-    dims = parallel.init_distributed("cpu", tp=tp)
-    docs = batch()
-    n_tok = sum(len(d) - 1 for d in docs)
-    # data parallel over dp ranks: dp rank r takes docs r::dp
-    rank_docs = docs[dims.dp_rank::dims.dp]
-
-    def shard(m):
-        if mode == "tp":
-            parallel.apply_tp(m, dims.mesh["tp"])
-        else:
-            parallel.parallelize(m, dims, param_dtype=torch.float32)
-
-    model = M.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
-    losses = train_steps(model, docs, rank_docs, n_tok, dims.dp)
-    full = {}
+def full_params(model):
+    out = {}
     for bucket in parallel.iter_full_weights(model, bucket_bytes=4096, dtype=torch.float32):
-        full.update(bucket)
+        out.update(bucket)
+    return out
+
+
+def main(mode, ckpt_dir, out):
+    dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1)
+    shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
+        (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32)) if dims.world_size > 1 else None
+    model = M.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
+    result = {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if mode in ("fsdp", "tp", "fsdp_tp", "single"):
+        result["losses"] = train_steps(model, opt, dims)
+    elif mode == "update":
+        import train_dapo as T
+        from test_train import random_batch  # the fixed batch of the single-process tests
+        cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
+                       ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=15)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: a wrong gradient scale would show
+        T.update_policy(model, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, contextlib.nullcontext(),
+                        dims)
+    elif mode == "save":  # one step, then a checkpoint
+        import train_dapo as T
+        train_steps(model, opt, dims, steps=1)
+        export = lambda tmp: T.export_hf(model, tmp, dims, torch.float32)  # noqa: E731
+        parallel.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, {"step": 1}, dims, export)
+    elif mode == "load":  # resume that checkpoint, one more step (uses the restored Adam moments)
+        result["state"] = parallel.load_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, dims)
+        train_steps(model, opt, dims, steps=1)
+    result["params"] = full_params(model)
     if dims.is_main:
-        torch.save({"params": full, "losses": losses}, out)
+        torch.save(result, out)
     parallel.shutdown()
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
     main(*sys.argv[1:])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import model as M
+import parallel
 import train_dapo as T
 
 # -----------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def test_cross_field_validation(over, msg):
 
 
 def test_world_size_must_split_mini_batch():
-    with pytest.raises(T.ConfigError, match="split evenly over 3 ranks"):
+    with pytest.raises(T.ConfigError, match="split evenly over 3 data-parallel ranks"):
         T.validate(T.Config(), world_size=3, check_files=False)
 
 
@@ -178,7 +179,7 @@ def grads_after_update(cfg, traj):
     m = M.Transformer(cfg_m).init_weights(seed=0).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     sched = T.make_scheduler(opt, cfg, 1)
-    T.update_policy(m, None, opt, sched, traj, cfg, contextlib.nullcontext())
+    T.update_policy(m, opt, sched, traj, cfg, contextlib.nullcontext(), parallel.init_distributed("cpu"))
     return torch.cat([p.grad.flatten() for p in m.parameters()])
 
 
