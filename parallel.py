@@ -267,13 +267,22 @@ def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims: Para
     barrier(dims)
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """The newest step_N under root that has its COMPLETE marker."""
+def complete_checkpoints(root: str) -> list[str]:
+    """step_N directories under root that have their COMPLETE marker, newest first."""
     if not os.path.isdir(root):
-        return None
+        return []
     done = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()
             and os.path.isfile(os.path.join(root, d, "COMPLETE"))]
-    return os.path.join(root, max(done, key=lambda d: int(d[5:]))) if done else None
+    return [os.path.join(root, d) for d in sorted(done, key=lambda d: -int(d[5:]))]
+
+
+def prune_checkpoints(root: str, keep_last: int, dims: ParallelDims):
+    """Delete all but the newest keep_last complete checkpoints (call only after a new one is complete)."""
+    import shutil
+    if dims.is_main and keep_last > 0:
+        for old in complete_checkpoints(root)[keep_last:]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(dims)
 
 
 def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
@@ -288,3 +297,157 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
     rngs = trainer_state.pop("rng")
     set_rng_state(rngs[dims.rank % len(rngs)], dims.device)
     return trainer_state
+
+
+# -----------------------------------------------------------------------------
+# memory planning for --dry_run: per-GPU bytes from the config and the model's shape, no GPU needed
+
+GiB = 2**30
+MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / generation: one at a time
+    "params": ("resident", "fp32 params (FSDP/TP shard)"),
+    "grads": ("resident", "fp32 grads (shard)"),
+    "optimizer": ("resident", "AdamW exp_avg + exp_avg_sq (shard)"),
+    "ref_params": ("resident", "reference model fp32 params (shard)"),
+    "engine_weights": ("resident", "rollout engine's full weight copy"),
+    "runtime": ("resident", "CUDA context, NCCL, allocator slack"),
+    "working": ("training", "unsharded compute-dtype weights"),
+    "activations": ("training", "activations of one micro-batch"),
+    "logprob_buffer": ("training", "fp32 logits of one logprob_chunk"),
+    "kv_cache": ("generation", "KV cache of the built-in engine"),
+}
+
+
+def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: float = 3.0) -> dict:
+    """Estimate per-GPU memory of a run of train_dapo.train(cfg) on world_size GPUs of gpu_gib GiB each.
+
+    cfg: a train_dapo.Config; model_cfg: a model.ModelConfig (both read by attribute only). Returns
+    {"gib": {term: GiB per GPU}, "phase": {term: resident | training | generation}, "host_gib", "training_gib",
+    "generation_gib", "peak_gib", "verdict": "fits" | "does not fit", "largest", "knob", "notes", ...}.
+    peak = resident + max(training, generation): the KV cache is freed (engine.sleep) before the update starts.
+
+    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, dp = world_size / tp; w = 2 bytes, 4 for float32):
+    - params 4, grads 4, AdamW 8 bytes/param, sharded by FSDP over dp and, for the q/k/v/o/gate/up/down weights,
+      by TP; embeddings, lm_head and norms are replicated over TP. param_offload or optimizer_offload moves all
+      three to the host (FSDP2 offloads them together): counted in host_gib instead. World size 1 has no FSDP:
+      full fp32 copies on the GPU, and offload does not apply.
+    - ref_params: a second fp32 shard (same offload) when use_kl_loss or use_kl_in_reward.
+    - engine_weights: world size > 1: the built-in engine generates from its own full copy of the weights
+      (w bytes/param), which train() keeps on the GPU for the whole run. World size 1: it shares the trainer's.
+    - working: FSDP all-gathers units in compute dtype: the root unit (embeddings, lm_head, final norm; kept
+      unsharded through forward and backward) plus one decoder block at a time, x2 for the prefetched next unit
+      and the unsharded gradients. World size 1: autocast's cached compute-dtype copy of every weight, w * P.
+    - activations, for the token budget of one update micro-batch (ppo_max_token_len_per_gpu with
+      use_dynamic_bsz, else ppo_micro_batch_size_per_gpu * (max_prompt_length + max_response_length)).
+      One block's activations are approximated as tokens * (10 * hidden + 3 * intermediate) * w bytes (norm
+      outputs, q/k/v, attention output, residuals; gate, up and their product). gradient_checkpointing keeps each
+      block's input (tokens * hidden * w per layer) plus one block's activations during its recompute; without it
+      every block's activations stay. TP does not shrink them (no sequence parallelism): an upper bound.
+    - logprob_buffer: the chunked fp32 log-prob/entropy: logprob_chunk * vocab * 4 bytes * ~3 (logits, softmax,
+      their gradient). The no-grad old/ref log-prob pass holds less than an update micro-batch and is not counted.
+    - kv_cache: max(max_num_seqs, n) rows (with CUDA graphs the cache has max_num_seqs rows; a wave holds at least
+      one whole group of n) x (max_prompt_length + max_response_length) positions x layers x 2 (k, v) x kv_heads x
+      head_dim, in the engine's dtype (world size 1: the fp32 master weights' dtype).
+    - runtime: a flat runtime_gib for what the allocator does not see (CUDA context, NCCL buffers, fragmentation).
+    """
+    m = model_cfg
+    tp = cfg.tp_size
+    dp = world_size // tp
+    w = 4 if cfg.dtype == "float32" else 2
+    sharded = world_size > 1
+    P = m.num_params()
+    h, hd, L = m.hidden_size, m.head_dim, m.num_hidden_layers
+    q, kv = m.num_attention_heads * hd, m.num_key_value_heads * hd
+    block_tp = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0) + 3 * h * m.intermediate_size
+    block = block_tp + 2 * h + (2 * hd if m.qk_norm else 0)  # + norms, replicated over TP
+    root = P - L * block  # embeddings, lm_head (untied), final norm
+    per_gpu = (L * block_tp / (dp * tp) + (P - L * block_tp) / dp) if sharded else P  # params held by one GPU
+    offload = sharded and (cfg.param_offload or cfg.optimizer_offload)
+    use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
+
+    state = {"params": 4 * per_gpu, "grads": 4 * per_gpu, "optimizer": 8 * per_gpu,
+             "ref_params": 4 * per_gpu if use_ref else 0}
+    gib = {k: 0.0 if offload else v / GiB for k, v in state.items()}
+    host_gib = sum(state.values()) / GiB if offload else 0.0
+    gib["engine_weights"] = w * P / GiB if sharded else 0.0
+    gib["runtime"] = runtime_gib
+    gib["working"] = (2 * w * (root + block_tp / tp + (block - block_tp)) if sharded else w * P) / GiB
+    seq = cfg.max_prompt_length + cfg.max_response_length
+    tokens = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
+    one_block = tokens * (10 * h + 3 * m.intermediate_size) * w
+    acts = tokens * h * w * L + one_block if cfg.gradient_checkpointing else L * one_block
+    gib["activations"] = acts / GiB
+    gib["logprob_buffer"] = cfg.logprob_chunk * m.vocab_size * 4 * 3 / GiB
+    rows = max(cfg.max_num_seqs, cfg.n)
+    gib["kv_cache"] = rows * seq * L * 2 * m.num_key_value_heads * hd * (w if sharded else 4) / GiB
+
+    phase = {k: MEMORY_TERMS[k][0] for k in gib}
+    total = {p: sum(v for k, v in gib.items() if phase[k] == p) for p in ("resident", "training", "generation")}
+    peak_phase = "training" if total["training"] >= total["generation"] else "generation"
+    peak = total["resident"] + total[peak_phase]
+    fits = peak <= gpu_gib
+    largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
+
+    notes = []
+    if (cfg.param_offload or cfg.optimizer_offload) and not sharded:
+        notes.append("param_offload/optimizer_offload act only under FSDP (world size > 1)")
+    room = ", ".join(f"TP {t}: {0.8 * gpu_gib * t - 2 * P / GiB:.0f}" for t in (1, 2, 4, 8))
+    notes.append(f"vLLM rule from the seeds, for the vLLM engine (issue 7), not the built-in one: gpu memory x "
+                 f"gpu_memory_utilization x rollout TP > 2 x params ({2 * P / GiB:.1f} GiB) + KV cache; GiB left "
+                 f"for KV per engine at 0.8 of {gpu_gib:g} GiB: {room}")
+    return {"world_size": world_size, "dp": dp, "tp": tp, "gpu_gib": gpu_gib, "num_params": P,
+            "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib,
+            "resident_gib": total["resident"], "training_gib": total["training"],
+            "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,
+            "verdict": "fits" if fits else "does not fit", "largest": largest,
+            "knob": None if fits else _memory_knob(largest, cfg, sharded), "notes": notes}
+
+
+def _memory_knob(term: str, cfg, sharded: bool) -> str:
+    """What to turn when `term` is the largest part of a peak that does not fit."""
+    if term in ("params", "grads", "optimizer", "ref_params"):
+        if not sharded:
+            return "more GPUs (FSDP shards params, grads and AdamW states over dp; offload needs world size > 1)"
+        return "param_offload=True + optimizer_offload=True (states to the host), or more GPUs (smaller shards)"
+    if term == "working":
+        return "tp_size (splits the unsharded block weights), or more GPUs" if sharded else "more GPUs (FSDP)"
+    if term == "engine_weights":
+        return ("nothing in the built-in engine: every GPU holds a full copy; the vLLM engine with rollout TP "
+                "(issue 7) splits it")
+    if term == "activations":
+        if not cfg.gradient_checkpointing:
+            return "gradient_checkpointing=True"
+        return "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
+    if term == "logprob_buffer":
+        return "logprob_chunk"
+    if cfg.max_num_seqs > cfg.n:  # kv_cache
+        return f"max_num_seqs (now {cfg.max_num_seqs}; a multiple of n={cfg.n})"
+    return (f"max_response_length (max_num_seqs is at its floor, one group of n={cfg.n} rows), or the vLLM "
+            f"engine's paged KV cache (issue 7)")
+
+
+def format_memory_plan(plans: list[dict]) -> str:
+    """A text table of plans from memory_plan, one column each (e.g. the same config at gpu_gib 80 and 141):
+    every term, the phase totals, the peak, the verdict, and the knob to turn where a plan does not fit."""
+    p0 = plans[0]
+    head = [f"{p['gpu_gib']:g} GiB" for p in plans]
+    width = max(14, *(len(x) + 2 for x in head))
+    cols = lambda vals: "".join(f"{v:>{width}}" for v in vals)  # noqa: E731
+    out = [f"memory per GPU (GiB): {p0['num_params'] / 1e9:.2f}B params, world {p0['world_size']} = "
+           f"dp {p0['dp']} x tp {p0['tp']}, {p0['tokens_per_micro_batch']} tokens per update micro-batch, "
+           f"KV cache {p0['kv_rows']} rows",
+           f"  {'':11}{'':38}" + cols(head)]
+    for phase in ("resident", "training", "generation"):
+        for i, (term, (ph, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items() if v[0] == phase):
+            out.append(f"  {phase if i == 0 else '':11}{label:38}" + cols(f"{p['gib'][term]:.2f}" for p in plans))
+    for key, label in (("host_gib", "host (offloaded states), per GPU"), ("resident_gib", "resident"),
+                       ("training_gib", "training phase"), ("generation_gib", "generation phase"),
+                       ("peak_gib", "peak = resident + max(phases)")):
+        out.append(f"  {'':11}{label:38}" + cols(f"{p[key]:.2f}" for p in plans))
+    out.append(f"  {'':11}{'verdict':38}" + cols(p["verdict"] for p in plans))
+    for p in plans:
+        if p["knob"]:
+            out.append(f"  {p['gpu_gib']:g} GiB: does not fit by {p['peak_gib'] - p['gpu_gib']:.1f} GiB; largest "
+                       f"term: {MEMORY_TERMS[p['largest']][1]} ({p['gib'][p['largest']]:.1f} GiB); turn: {p['knob']}")
+    notes = list(dict.fromkeys(n for p in plans for n in p["notes"]))
+    out += [f"  note: {n}" for n in notes]
+    return "\n".join(out)

@@ -16,10 +16,13 @@ One training step, in the order this file reads (REFERENCE.md has the exact sema
 import ast
 import contextlib
 import difflib
+import importlib.util
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import types
 import typing
@@ -117,6 +120,9 @@ class Config:
     # run
     out_dir: str = "out/run"  # metrics.jsonl, checkpoints/, val generations, plot
     resume: str = "auto"  # auto (latest complete checkpoint in out_dir) | disable | path/to/checkpoint
+    keep_last: int = 0  # keep only the newest N checkpoints (0 = keep all); pruned after a new one is complete
+    max_consecutive_skips: int = 5  # stop the run after this many non-finite updates in a row
+    logp_mismatch_warn: float = 0.5  # warn when mean |rollout - trainer| log-prob exceeds this
     seed: int = 0
     device: str = "auto"  # auto | cuda | npu | cpu
     cpu_threads: int = 0  # torch intra-op threads on CPU (0 = torch's default; 1 is fastest for tiny models)
@@ -129,7 +135,11 @@ class Config:
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad knob, file or directory, found before any expensive work; the message names it and the fix."""
+
+
+class RunError(RuntimeError):
+    """The run cannot continue (dynamic sampling starved, repeated non-finite updates, stale weights)."""
 
 
 def _type_ok(value, tp) -> bool:
@@ -241,6 +251,9 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     for lg in cfg.logger:
         need(lg in ("console", "jsonl", "tensorboard", "wandb", "mlflow"),
              f"logger {lg!r}; choose from console, jsonl, tensorboard, wandb, mlflow")
+        module = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}.get(lg)
+        need(module is None or importlib.util.find_spec(module) is not None,
+             f"logger {lg!r} is listed but {module} is not installed; pip install {module} or remove it from logger")
     if cfg.overlong_buffer:
         need(0 < cfg.overlong_buffer_len <= cfg.max_response_length,
              f"overlong_buffer_len={cfg.overlong_buffer_len} must be in (0, max_response_length="
@@ -250,17 +263,38 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     if not check_files:
         return
     import data
+    import model as M
     need(os.path.isfile(os.path.join(cfg.model_path, "config.json")),
          f"model_path={cfg.model_path!r} has no config.json; point it at an HF model directory")
-    need(os.path.isfile(os.path.join(cfg.model_path, "tokenizer.json")),
-         f"model_path={cfg.model_path!r} has no tokenizer.json (the tokenizer is read from the model directory)")
+    try:
+        M.load_config(cfg.model_path)
+        M.safetensors_files(cfg.model_path)
+        tok = M.Tokenizer.from_pretrained(cfg.model_path)
+    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model_path={cfg.model_path!r}: {type(e).__name__}: {e}") from None
+    need(tok.chat_template is not None, f"the tokenizer in {cfg.model_path!r} has no chat template "
+         "(tokenizer_config.json 'chat_template' or chat_template.jinja); add one: prompts are templated")
+    if cfg.resume not in ("auto", "disable"):
+        need(os.path.isfile(os.path.join(cfg.resume, "COMPLETE")),
+             f"cannot resume from {cfg.resume!r}: not a complete checkpoint directory (no COMPLETE marker); use "
+             "resume='auto' (the newest complete one in out_dir/checkpoints) or resume='disable'")
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        probe = os.path.join(cfg.out_dir, ".write_test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e}); choose another out_dir") from None
     n_train = data.check_parquet_schema(cfg.train_files, cfg.prompt_key)
     need(n_train >= cfg.gen_batch_size or cfg.train_max_samples > 0,
          f"train_files hold {n_train} prompts, fewer than gen_batch_size={cfg.gen_batch_size}")
     if cfg.val_files:
         data.check_parquet_schema(cfg.val_files, cfg.prompt_key)
     import reward
-    reward.load_reward_fn(cfg.reward_fn)  # a missing file or function fails here, not at step 1000
+    try:
+        reward.load_reward_fn(cfg.reward_fn)  # a missing file or function fails here, not at step 1000
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def batch_arithmetic(cfg: Config, world_size: int, num_train_prompts: int | None = None) -> dict:
@@ -610,7 +644,7 @@ def dynamic_sampling(generation_round, cfg: Config):
     while n_kept < cfg.train_batch_size:
         r += 1
         if cfg.max_num_gen_batches > 0 and r > cfg.max_num_gen_batches:
-            raise RuntimeError(
+            raise RunError(
                 f"dynamic sampling: after {cfg.max_num_gen_batches} generation rounds of {cfg.gen_batch_size} "
                 f"prompts only {n_kept} of train_batch_size={cfg.train_batch_size} groups have varying "
                 f"{cfg.filter_groups_metric}. The data may be too easy or too hard for the model; raise "
@@ -662,10 +696,15 @@ def check_resume_shape(path: str, model):
 class Logger:
     """console + out_dir/metrics.jsonl always; tensorboard / wandb / mlflow when listed."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resumed_step: int = 0):
         self.cfg, self.backends = cfg, {}
         os.makedirs(cfg.out_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+        path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        if os.path.isfile(path):  # after a resume, drop rows of steps that will be run again
+            rows = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= resumed_step]
+            with open(path, "w") as f:
+                f.writelines(rows)
+        self.jsonl = open(path, "a")
         for name in cfg.logger:
             if name in ("console", "jsonl"):
                 continue
@@ -761,12 +800,38 @@ def save_val_generations(traj: Trajectories, texts: list[str], val_prompts, toke
 # the loop
 
 
+def install_stop_handlers(log) -> dict:
+    """SIGTERM / SIGINT (preemption, Ctrl-C): finish the current step, checkpoint, exit 0. A second signal
+    exits at once."""
+    stop = {"requested": False}
+
+    def handler(signum, frame):
+        if stop["requested"]:
+            log("second signal: exiting now without a checkpoint")
+            os._exit(128 + signum)
+        stop["requested"] = True
+        log(f"signal {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+            "(send it again to exit now)")
+
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        stop["restore"] = lambda: [signal.signal(s, h) for s, h in previous.items()]
+    return stop
+
+
+def fault_point(name: str, step: int):
+    """Fault-injection hook for the crash tests: NANODAPO_FAULT=name:step kills this process with SIGKILL."""
+    if os.environ.get("NANODAPO_FAULT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(cfg: Config):
     import data
     import model as M
     import parallel
     import reward
     from rollout import make_engine
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     dims = parallel.init_distributed(cfg.device, cfg.tp_size)
     validate(cfg, world_size=dims.world_size)
@@ -790,7 +855,6 @@ def train(cfg: Config):
     val_prompts = load(cfg.val_files, cfg.val_max_samples) if cfg.val_files else []
     sampler = data.PromptSampler(len(train_prompts), seed=cfg.seed, shuffle=cfg.shuffle)
     scorer = reward.RewardScorer(cfg.reward_fn, num_workers=cfg.reward_num_workers, timeout_s=cfg.reward_timeout)
-    logger = Logger(cfg) if main_rank else None
 
     # the policy: fp32 master weights. One device: plain module under autocast. Several: TP and/or FSDP2
     # shards with bf16 compute; the rollout engine then needs its own full copy, refreshed every step.
@@ -814,32 +878,44 @@ def train(cfg: Config):
 
     step = 0
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    ckpt = cfg.resume if cfg.resume not in ("auto", "disable") else (
-        parallel.latest_checkpoint(ckpt_root) if cfg.resume == "auto" else None)
-    if ckpt:
+    candidates = {"auto": parallel.complete_checkpoints(ckpt_root), "disable": []}.get(cfg.resume, [cfg.resume])
+    for ckpt in candidates:  # newest first; a corrupt one is reported and skipped
         check_resume_shape(ckpt, model)
-        state = parallel.load_checkpoint(ckpt, model, optimizer, dims)
+        try:
+            state = parallel.load_checkpoint(ckpt, model, optimizer, dims)
+        except (Exception, CheckpointException) as e:  # any unreadable file: try the previous checkpoint
+            if cfg.resume != "auto":
+                raise ConfigError(f"cannot resume from {ckpt}: {type(e).__name__}: {e}") from e
+            log(f"warning: checkpoint {ckpt} is unreadable ({type(e).__name__}: {e}); trying the previous one")
+            continue
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         step = state["step"]
         log(f"resumed from {ckpt} at step {step}")
+        break
+    logger = Logger(cfg, resumed_step=step) if main_rank else None
+    stop = install_stop_handlers(log)
     log(f"training {total_steps} steps ({steps_per_epoch} per epoch) on {dims.world_size} x {device.type}; "
         f"{json.dumps(batch_arithmetic(cfg, dims.world_size, len(train_prompts)))}")
 
-    synced = [not sharded]  # does the engine hold the current weights?
+    # weight versions: the policy's advances with every update; generation refuses an engine that lags
+    version = {"policy": 0, "engine": 0 if not sharded else -1}
 
     def sync_weights() -> float:
         """Push the trainer's weights into the engine's copy (bucketed full tensors); seconds taken."""
-        if synced[0]:
+        if version["engine"] == version["policy"]:
             return 0.0
         t0 = time.perf_counter()
         for bucket in parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=compute_dtype):
             engine.update_weights(bucket)
-        synced[0] = True
+        version["engine"] = version["policy"]
         return time.perf_counter() - t0
 
     def rollout(prompts, seed, group_offset, **sampling) -> Trajectories:
         """Each rank generates and scores its share of the prompts; every rank gets the whole round."""
+        if version["engine"] != version["policy"]:
+            raise RunError(f"rollout engine holds weights version {version['engine']} but the policy is at "
+                           f"{version['policy']}: generating now would train on stale samples (a bug; please report)")
         k = math.ceil(len(prompts) / dims.world_size)
         lo = min(dims.rank * k, len(prompts))
         model.eval()
@@ -870,6 +946,7 @@ def train(cfg: Config):
         if main_rank:
             logger.log(step, m)
 
+    consecutive_skips = 0
     while step < total_steps:
         t_step = time.perf_counter()
         timing = {"gen": 0.0, "reward": 0.0, "old_logp": 0.0, "ref": 0.0, "update": 0.0, "sync": sync_weights()}
@@ -880,6 +957,7 @@ def train(cfg: Config):
             prompts = [train_prompts[i] for i in sampler.next_indices(cfg.gen_batch_size)]
             traj, _, stats = rollout(prompts, seed=cfg.seed + 1000 * step + r, group_offset=r * cfg.gen_batch_size,
                                      n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+            fault_point("gen", step)
             timing["gen"] += stats["gen_s"]
             timing["reward"] += stats["reward_s"]
             timeouts[0] += stats["num_timeouts"]
@@ -914,9 +992,21 @@ def train(cfg: Config):
         # 7. update
         t0 = time.perf_counter()
         metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, ctx, dims))
-        synced[0] = not sharded
+        version["policy"] += 1
+        if not sharded:
+            version["engine"] = version["policy"]  # the engine shares the trainer's tensors
         timing["update"] = time.perf_counter() - t0
         step += 1
+        fault_point("update", step)
+        all_skipped = metrics["actor/skipped_updates"] == cfg.ppo_epochs * cfg.train_batch_size // cfg.ppo_mini_batch_size
+        consecutive_skips = consecutive_skips + 1 if all_skipped else 0
+        if consecutive_skips >= cfg.max_consecutive_skips:
+            raise RunError(f"{consecutive_skips} steps in a row had a non-finite loss or gradient norm and were "
+                           f"skipped (max_consecutive_skips={cfg.max_consecutive_skips}); lower lr, check grad_clip and "
+                           f"the data, or resume from an earlier checkpoint")
+        if metrics.get("rollout/logp_mismatch", 0.0) > cfg.logp_mismatch_warn:
+            log(f"warning: rollout/logp_mismatch={metrics['rollout/logp_mismatch']:.3g} > logp_mismatch_warn="
+                f"{cfg.logp_mismatch_warn}: engine and trainer disagree on log-probs (precision, weights?)")
 
         # 8. metrics, validation, checkpoint
         lens = torch.tensor([len(r) for r in everything.response_ids], dtype=torch.float32)
@@ -940,11 +1030,20 @@ def train(cfg: Config):
             metrics["perf/max_memory_allocated_gib"] = parallel.max_memory_allocated_gib(device)
         if main_rank:
             logger.log(step, metrics)
-        if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or last:
+        stopping = parallel.all_reduce_max(int(stop["requested"]), dims) > 0
+        if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or last or stopping:
             state = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict()}
-            export = lambda tmp: export_hf(model, tmp, dims, compute_dtype)  # noqa: E731
+
+            def export(tmp):  # runs between the sharded write and the COMPLETE marker
+                export_hf(model, tmp, dims, compute_dtype)
+                fault_point("checkpoint", step)
             parallel.save_checkpoint(os.path.join(ckpt_root, f"step_{step}"), model, optimizer, state, dims, export)
+            parallel.prune_checkpoints(ckpt_root, cfg.keep_last, dims)
+        if stopping:
+            log(f"stopped by signal after step {step}; checkpoint written, resume with resume='auto'")
+            break
     scorer.close()
+    stop.get("restore", lambda: None)()
     parallel.shutdown()
     return model
 
@@ -973,11 +1072,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, data.DataError, reward.RewardError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        if "dynamic sampling" not in str(e):
-            raise
+    except RunError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 3
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
         try:

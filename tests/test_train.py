@@ -76,7 +76,7 @@ def test_file_checks(tiny_dir, tmp_path):
     pq.write_table(pa.table({"data_source": ["x"], "prompt": ["hi"]}), tmp_path / "bad.parquet")
     with pytest.raises(data.DataError, match="reward_model"):
         T.validate(T.Config(**{**base, "train_files": [str(tmp_path / "bad.parquet")]}))
-    with pytest.raises(ValueError, match="nofile.py"):
+    with pytest.raises(T.ConfigError, match="nofile.py"):
         T.validate(T.Config(**{**base, "reward_fn": str(tmp_path / "nofile.py") + ":f"}))
 
 
@@ -142,7 +142,7 @@ def test_dynamic_sampling_keeps_exactly_train_batch_size_groups():
 
 def test_dynamic_sampling_error_names_numbers_and_knobs():
     cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, max_num_gen_batches=3)
-    with pytest.raises(RuntimeError, match="after 3 generation rounds of 2 prompts only 1 of "
+    with pytest.raises(T.RunError, match="after 3 generation rounds of 2 prompts only 1 of "
                                            "train_batch_size=2.*max_num_gen_batches"):
         T.dynamic_sampling(lambda r: fake_round([[1, 0], [1, 1]] if r == 1 else [[0, 0], [1, 1]], 2, 10 * r), cfg)
 
