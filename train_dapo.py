@@ -114,7 +114,7 @@ class Config:
     total_epochs: int = 1
     total_training_steps: int = 0  # 0 = derived from total_epochs; a step = train_batch_size kept groups
     test_freq: int = 5  # validate every N steps (0 = never, except at the end if val_files)
-    save_freq: int = 0  # checkpoint every N steps (0 = only at the end)
+    save_freq: int = 0  # checkpoint every N steps (0 = only at the end, -1 = never)
     val_before_train: bool = True
     log_val_generations: int = 5  # example val generations saved per validation
     # run
@@ -1031,7 +1031,7 @@ def train(cfg: Config):
         if main_rank:
             logger.log(step, metrics)
         stopping = parallel.all_reduce_max(int(stop["requested"]), dims) > 0
-        if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or last or stopping:
+        if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or (last and cfg.save_freq >= 0) or stopping:
             state = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict()}
 
             def export(tmp):  # runs between the sharded write and the COMPLETE marker
