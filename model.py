@@ -117,6 +117,28 @@ class ModelConfig:
         return self.num_hidden_layers * block + emb + h
 
 
+# The published config.json fields that ModelConfig.from_hf reads, keyed by the lower-cased model directory name;
+# used only by --dry_run, to plan memory for the recipes in configs/ without the model present.
+KNOWN_CONFIGS = {
+    "qwen2.5-32b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120,
+                        intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        rope_theta=1000000.0, rms_norm_eps=1e-05, tie_word_embeddings=False,
+                        max_position_embeddings=131072),
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False,
+                       max_position_embeddings=131072),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, rope_theta=1000000, rms_norm_eps=1e-06, tie_word_embeddings=False,
+                     max_position_embeddings=40960),
+    "qwen2-0.5b-instruct": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
+                                intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                num_key_value_heads=2, rope_theta=1000000.0, rms_norm_eps=1e-06,
+                                tie_word_embeddings=True, max_position_embeddings=32768),
+}
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies in fp32, with Llama-3 frequency-dependent scaling when configured."""
     # device="cpu": the model may be built under torch.device("meta"), and these must be real numbers

@@ -1048,6 +1048,34 @@ def train(cfg: Config):
     return model
 
 
+def dry_run(cfg: Config):
+    """Check the config, print the batch arithmetic and a per-GPU memory plan; touches no GPU and needs
+    neither the model nor the data to be present (a known model shape and a note stand in)."""
+    import data
+    import model as M
+    import parallel
+    ws = world_size_for(cfg)
+    present = os.path.isfile(os.path.join(cfg.model_path, "config.json"))
+    files_present = all(os.path.isfile(f) for f in cfg.train_files + cfg.val_files)
+    validate(cfg, ws, check_files=present and files_present)
+    if present:
+        model_cfg = M.load_config(cfg.model_path)
+    else:
+        name = os.path.basename(os.path.normpath(os.path.expanduser(cfg.model_path))).lower()
+        if name not in M.KNOWN_CONFIGS:
+            raise ConfigError(f"model_path={cfg.model_path!r} has no config.json and {name!r} is not a known shape "
+                              f"({', '.join(sorted(M.KNOWN_CONFIGS))}); point model_path at the model directory")
+        model_cfg = M.ModelConfig.from_hf(M.KNOWN_CONFIGS[name])
+        print(f"note: {cfg.model_path} not found; planning with the published shape of {name}")
+    n_train = data.check_parquet_schema(cfg.train_files, cfg.prompt_key) if files_present else None
+    if not files_present:
+        print("note: data files not found; skipping their checks and the epoch arithmetic")
+    print(f"config OK ({model_cfg.architecture}, {model_cfg.num_params() / 1e9:.2f} B parameters, world size {ws})")
+    for k, v in batch_arithmetic(cfg, ws, n_train).items():
+        print(f"  {k}: {v}")
+    print(parallel.format_memory_plan([parallel.memory_plan(cfg, model_cfg, ws, g) for g in (80, 141)]))
+
+
 def main(argv: list[str]) -> int:
     import data
     import reward
@@ -1061,12 +1089,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg, flags = parse_args([a for a in argv if a != "--"])  # torchrun: script -- --key=value
         if flags["dry_run"]:
-            ws = world_size_for(cfg)
-            validate(cfg, ws)
-            n_train = data.check_parquet_schema(cfg.train_files, cfg.prompt_key)
-            print("config OK")
-            for k, v in batch_arithmetic(cfg, ws, n_train).items():
-                print(f"  {k}: {v}")
+            dry_run(cfg)
             return 0
         train(cfg)
     except (ConfigError, data.DataError, reward.RewardError, FileNotFoundError) as e:

@@ -1,0 +1,105 @@
+# DAPO on Qwen2.5-32B (base): verl's DAPO recipe, 16 nodes x 8 GPUs (REFERENCE.md "Seed recipes", seed 001).
+#
+# Run, on every node (HOST:PORT = an address of node 0 that all nodes reach):
+#   torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT train_dapo.py configs/qwen32b.py
+# Check it first, on any machine, without GPUs or the model (batch arithmetic and per-GPU memory for 128 GPUs):
+#   python train_dapo.py configs/qwen32b.py --dry_run
+#
+# Model and data (the same files verl's recipe uses; they load unchanged, data_source "math_dapo"):
+#   huggingface-cli download Qwen/Qwen2.5-32B --local-dir ~/models/Qwen2.5-32B
+#   wget -O ~/data/dapo-math-17k.parquet \
+#     "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/dapo-math-17k.parquet?download=true"
+#   wget -O ~/data/aime-2024.parquet \
+#     "https://huggingface.co/datasets/BytedTsinghua-SIA/AIME-2024/resolve/main/data/aime-2024.parquet?download=true"
+#   python data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen2.5-32B --max_prompt_length 2048
+# Every node needs the model and data at these paths, and out_dir on a filesystem all nodes share (checkpoints are
+# written by every rank, like verl's trainer.default_local_dir).
+#
+# Expected result (published for this recipe, verl's DAPO reproduction): AIME 2024 accuracy 52, 50 without dynamic
+# sampling (filter_groups=False). Here that is val/acc on aime-2024.parquet (30 problems; val_n=1 is noisy, pass
+# --val_n=32 for an average over 32 samples). Not yet reproduced with nanodapo.
+#
+# Seed settings nanodapo cannot honour yet:
+# - rollout TP 4, gpu_memory_utilization 0.8, enable_chunked_prefill, max_num_batched_tokens 22528: these configure
+#   the in-process vLLM engine, which is not built yet (issue 7); the built-in engine generates instead. It keeps a
+#   full bf16 copy of the weights on every GPU (61 GiB here) and preallocates its KV cache for max_num_seqs rows x
+#   22528 positions (256 KiB a position for this model, 5.5 GiB a row). 16 rows (one group of n) is its floor, so
+#   the --dry_run planner puts the generation peak at ~152 GiB: this recipe does not fit on 80 or 141 GiB GPUs with
+#   the built-in engine. It needs the vLLM engine (paged KV, weights split 4 ways), or a shorter max_response_length.
+# - ulysses sequence parallel size 8: not built yet (issue 6). It costs no memory per GPU at this token budget:
+#   verl multiplies ppo_max_token_len_per_gpu by the sp size for the sp group, so each GPU holds activations for
+#   ~22528 tokens either way (the planner: ~21 GiB with checkpointing, + 7.6 GiB of gathered weights). What sp
+#   adds is room for a sequence longer than one GPU's budget; here prompt + response = 22528 just fits one GPU.
+# - ref.fsdp_config.param_offload: no reference model is built (no KL term), so there is nothing to offload.
+# - trainer.logger vemlp_wandb (Volcano Engine's platform): use logger = ["console", "jsonl", "wandb"] for wandb.
+# Seed 001's script sets val_kwargs.top_p=1.0; the recipe in REFERENCE.md (and verl's recipe script) uses 0.7: 0.7.
+
+import os
+
+# model and data
+model_path = os.path.expanduser("~/models/Qwen2.5-32B")
+train_files = [os.path.expanduser("~/data/dapo-math-17k.parquet")]
+val_files = [os.path.expanduser("~/data/aime-2024.parquet")]
+max_prompt_length = 2048
+max_response_length = 20480
+truncation = "left"
+
+# batch: 512 groups of 16 per step, drawn from rounds of 1536 prompts; 16 optimizer steps of 32 groups
+train_batch_size = 512
+gen_batch_size = 1536
+n = 16
+ppo_mini_batch_size = 32
+use_dynamic_bsz = True
+ppo_max_token_len_per_gpu = 22528  # max_prompt_length + max_response_length
+log_prob_max_token_len_per_gpu = 22528
+
+# DAPO: clip-higher, dual clip, token-mean, no KL, dynamic sampling on accuracy, overlong shaping
+clip_ratio_low = 0.2
+clip_ratio_high = 0.28
+clip_ratio_c = 10.0
+loss_agg_mode = "token-mean"
+use_kl_loss = False
+kl_loss_coef = 0.0
+use_kl_in_reward = False
+kl_coef = 0.0
+entropy_coeff = 0.0
+filter_groups = True
+filter_groups_metric = "acc"
+max_num_gen_batches = 10
+overlong_buffer = True
+overlong_buffer_len = 4096
+overlong_penalty_factor = 1.0
+
+# optimizer
+lr = 1e-6
+lr_warmup_steps = 10
+weight_decay = 0.1
+grad_clip = 1.0
+gradient_checkpointing = True
+
+# sampling: train at T 1.0; validate with one sample at T 1.0, top_p 0.7
+temperature = 1.0
+top_p = 1.0
+top_k = -1
+val_n = 1
+val_temperature = 1.0
+val_top_p = 0.7
+val_top_k = -1
+val_do_sample = True
+max_num_seqs = 16  # built-in engine: one group of n per wave (see above)
+
+# parallelism: FSDP over all 128 GPUs, params + grads + AdamW states offloaded to the host
+param_offload = True
+optimizer_offload = True
+nnodes = 16
+n_gpus_per_node = 8
+
+# schedule and run
+total_epochs = 1
+test_freq = 5
+save_freq = 5
+val_before_train = True
+resume = "auto"
+project_name = "DAPO"
+experiment_name = "DAPO-Qwen2.5-32B"
+out_dir = "out/DAPO-Qwen2.5-32B"

@@ -1,0 +1,192 @@
+"""configs/*.py: every recipe parses and validates at its own world size; the 32B recipe's batch arithmetic; the
+--dry_run memory planner (parallel.memory_plan) on a tiny made-up model, by hand; model.KNOWN_CONFIGS against the
+published parameter counts."""
+import glob
+import os
+
+import pytest
+
+import model as M
+import parallel
+import train_dapo as T
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+GiB = 2**30
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_parses_and_validates_at_its_world_size(path):
+    cfg, flags = T.parse_args([path])
+    assert not flags["dry_run"]
+    T.validate(cfg, world_size=cfg.nnodes * cfg.n_gpus_per_node, check_files=False)
+
+
+def test_recipe_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"qwen32b.py", "qwen2.5_7b_dapo.py", "qwen3_8b_dapo.py", "qwen2_0.5b_gsm8k_grpo.py"} <= names
+
+
+def test_qwen32b_batch_arithmetic_at_128_gpus():
+    cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen32b.py")])
+    assert cfg.nnodes * cfg.n_gpus_per_node == 128
+    a = T.batch_arithmetic(cfg, 128)
+    assert a["prompts_per_generation_round"] == 1536  # gen_batch_size = 3 x 512
+    assert a["trajectories_per_step"] == 8192  # 512 groups x 16
+    assert a["optimizer_steps_per_step"] == 16  # 512 / 32 groups per mini-batch, 1 epoch
+    assert a["per_rank_mini_batch"] == 4  # 32 x 16 / 128
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if os.path.basename(p) != "tiny.py"], ids=os.path.basename)
+def test_recipe_model_is_known_to_the_planner(path):
+    """--dry_run plans without the model present: the model directory's name is a KNOWN_CONFIGS key."""
+    cfg, _ = T.parse_args([path])
+    assert os.path.basename(cfg.model_path.rstrip("/")).lower() in M.KNOWN_CONFIGS
+
+
+# published parameter counts (Hugging Face model pages / safetensors totals), including embeddings
+PUBLISHED = {"qwen2.5-32b": 32.76e9, "qwen2.5-7b": 7.62e9, "qwen3-8b": 8.19e9, "qwen2-0.5b-instruct": 0.494e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_known_configs_match_published_parameter_counts(name):
+    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS[name])
+    assert mc.num_params() == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_known_configs_architecture_details():
+    q3 = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-8b"])
+    assert (q3.qk_norm, q3.attention_bias, q3.head_dim) == (True, False, 128)
+    q2 = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])
+    assert (q2.qk_norm, q2.attention_bias, q2.head_dim) == (False, True, 128)  # 5120 / 40
+    assert M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2-0.5b-instruct"]).tie_word_embeddings
+
+
+# -----------------------------------------------------------------------------
+# memory_plan on a tiny Qwen2-shaped model, every number by hand
+#
+# hidden 64, intermediate 128, 2 layers, 4 heads x 16 (q 64), 2 kv heads (kv 32), vocab 1000, untied, q/k/v biases.
+# per block, TP-sharded: q 64*64 + k,v 2*64*32 + o 64*64 + biases 64+32+32 + gate/up/down 3*64*128 = 36,992
+#            replicated: two norms 2*64 = 128                                        block = 37,120
+# root (replicated over TP): embeddings + lm_head 2*1000*64 + final norm 64 = 128,064
+# P = 2 * 37,120 + 128,064 = 202,304
+
+
+def tiny_model():
+    return M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_cfg(**kw):
+    base = dict(max_prompt_length=16, max_response_length=48, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
+                logprob_chunk=16, max_num_seqs=8, n=4, gradient_checkpointing=True, tp_size=2)
+    return T.Config(**{**base, **kw})
+
+
+def plan_bytes(plan):
+    return {k: round(v * GiB) for k, v in plan["gib"].items()}
+
+
+def test_tiny_model_parameter_count():
+    assert tiny_model().num_params() == 202_304
+
+
+def test_memory_plan_dp4_tp2_by_hand():
+    b = plan_bytes(parallel.memory_plan(tiny_cfg(), tiny_model(), world_size=8, gpu_gib=80, runtime_gib=0))
+    # one GPU holds 1/8 of the TP-sharded weights and 1/4 of the rest: 2*36,992/8 + (202,304 - 73,984)/4 = 41,328
+    assert b["params"] == 4 * 41_328 == 165_312
+    assert b["grads"] == 165_312
+    assert b["optimizer"] == 8 * 41_328
+    assert b["ref_params"] == 0  # no KL term, no reference model
+    assert b["engine_weights"] == 2 * 202_304  # the built-in engine's full bf16 copy
+    # bf16, 2 x (root + one block's TP shard + its norms) = 2 * 2 * (128,064 + 36,992/2 + 128)
+    assert b["working"] == 4 * 146_688
+    # 2 trajectories x 64 tokens = 128 tokens: block inputs 128 * 64 * 2 bytes * 2 layers, + one block's saved
+    # tensors, 16 bytes x hidden + (8 x q + 8 x intermediate) / tp = 1024 + (512 + 1024) / 2 = 1792 bytes a token
+    assert b["activations"] == 32_768 + 128 * 1_792
+    assert b["logprob_buffer"] == 16 * 1000 * 4 * 3
+    # 8 rows x 64 positions x 2 layers x (k, v) x 2 kv heads x 16 x 2 bytes
+    assert b["kv_cache"] == 131_072
+
+
+def test_memory_plan_peak_is_resident_plus_larger_phase_and_verdict_flips():
+    cfg, mc = tiny_cfg(), tiny_model()
+    resident = 4 * 165_312 + 404_608  # params, grads, AdamW (2x), engine copy
+    training = 586_752 + 262_144 + 192_000  # working weights, activations, log-prob buffer
+    peak = resident + max(training, 131_072)
+    small = parallel.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 0.99, runtime_gib=0)
+    large = parallel.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 1.01, runtime_gib=0)
+    for p in (small, large):
+        assert round(p["peak_gib"] * GiB) == peak
+        assert p["peak_phase"] == "training"
+    assert (small["verdict"], large["verdict"]) == ("does not fit", "fits")
+    assert large["knob"] is None
+    assert small["largest"] == "working" and "tp_size" in small["knob"]  # 586,752 bytes: the largest term
+    # the default runtime allowance (CUDA context, NCCL, allocator slack) is resident
+    assert parallel.memory_plan(cfg, mc, 8, gpu_gib=80)["peak_gib"] == pytest.approx(peak / GiB + 3.0)
+
+
+def test_memory_plan_offload_moves_states_to_the_host():
+    b0 = parallel.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0)
+    p = parallel.memory_plan(tiny_cfg(param_offload=True, optimizer_offload=True), tiny_model(), 8, 80, runtime_gib=0)
+    assert p["gib"]["params"] == p["gib"]["grads"] == p["gib"]["optimizer"] == 0
+    assert round(p["host_gib"] * GiB) == 16 * 41_328  # 4 + 4 + 8 bytes per parameter of this GPU's shard
+    assert b0["host_gib"] == 0
+    assert round((b0["peak_gib"] - p["peak_gib"]) * GiB) == 16 * 41_328
+    # the reference model (KL loss) is a further fp32 shard, offloaded with the rest
+    r = parallel.memory_plan(tiny_cfg(use_kl_loss=True, param_offload=True), tiny_model(), 8, 80, runtime_gib=0)
+    assert round(r["host_gib"] * GiB) == 20 * 41_328 and r["gib"]["ref_params"] == 0
+
+
+def test_memory_plan_without_checkpointing_keeps_every_block():
+    p = parallel.memory_plan(tiny_cfg(gradient_checkpointing=False), tiny_model(), 8, gpu_gib=1e-4, runtime_gib=0)
+    assert round(p["gib"]["activations"] * GiB) == 2 * 128 * 1_792
+    p = parallel.memory_plan(tiny_cfg(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=64), tiny_model(), 8,
+                             gpu_gib=1e-4, runtime_gib=0)
+    assert p["largest"] == "activations" and p["knob"] == "gradient_checkpointing=True"
+
+
+def test_activation_estimate_matches_a_measurement():
+    """Measured on an H200: a Qwen2.5-1.5B-shaped model (bf16, packed, flash varlen, no checkpointing) held
+    108,870 more bytes per token per layer at the peak of forward + backward (16384 vs 8192 tokens)."""
+    mc = M.ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = tiny_cfg(tp_size=1, gradient_checkpointing=False, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384,
+                   max_prompt_length=16, max_response_length=16368)
+    p = parallel.memory_plan(cfg, mc, 8, 141)
+    assert p["gib"]["activations"] * GiB / (16384 * 28) == pytest.approx(108_870, rel=0.02)
+
+
+def test_memory_plan_token_budget_and_kv_knob():
+    # use_dynamic_bsz: the token budget replaces micro-batch x sequence length
+    p = parallel.memory_plan(tiny_cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), tiny_model(), 8, 80,
+                             runtime_gib=0)
+    assert round(p["gib"]["activations"] * GiB) == 256 * 64 * 2 * 2 + 256 * 1_792
+    # a big KV cache: max_num_seqs is the knob; at its floor (n rows) the response length is
+    p = parallel.memory_plan(tiny_cfg(max_num_seqs=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
+    assert p["largest"] == "kv_cache" and p["knob"].startswith("max_num_seqs")
+    p = parallel.memory_plan(tiny_cfg(max_num_seqs=2, n=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
+    assert p["kv_rows"] == 4096 and p["knob"].startswith("max_response_length")
+
+
+def test_memory_plan_single_gpu_has_no_fsdp():
+    # world size 1: full fp32 copies, autocast's bf16 copy while training, the engine shares the trainer's fp32
+    # weights (no second copy, fp32 KV cache), and offload does not apply
+    p = parallel.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
+    b = plan_bytes(p)
+    assert (b["params"], b["grads"], b["optimizer"]) == (4 * 202_304, 4 * 202_304, 8 * 202_304)
+    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (2 * 202_304, 0, 2 * 131_072)
+    assert p["host_gib"] == 0 and any("world size > 1" in n for n in p["notes"])
+
+
+def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
+    cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen32b.py")])
+    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])
+    plans = [parallel.memory_plan(cfg, mc, 128, g) for g in (80, 141)]
+    text = parallel.format_memory_plan(plans)
+    assert "80 GiB" in text and "141 GiB" in text and "world 128 = dp 128 x tp 1" in text
+    for _, label in parallel.MEMORY_TERMS.values():
+        assert label in text
+    for p in plans:
+        assert p["verdict"] in text
+        assert p["gib"]["params"] == 0 and p["host_gib"] > 0  # param + optimizer offload
