@@ -280,7 +280,7 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
              "resume='auto' (the newest complete one in out_dir/checkpoints) or resume='disable'")
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, ".write_test")
+        probe = os.path.join(cfg.out_dir, f".write_test.{os.getpid()}")  # one per rank: ranks race
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
