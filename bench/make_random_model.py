@@ -20,23 +20,12 @@ import model as M  # noqa: E402
 import parallel  # noqa: E402
 from demo.warmstart import write_tokenizer  # noqa: E402
 
-SHAPES = {  # HF config.json fields of the public models (random weights here)
-    "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
-                         intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         max_position_embeddings=32768),
-    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
-                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                       max_position_embeddings=32768),
-}
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(M.KNOWN_CONFIGS))  # published shapes
     a = ap.parse_args()
-    cfg = M.ModelConfig.from_hf(SHAPES[a.shape])
+    cfg = M.ModelConfig.from_hf(M.KNOWN_CONFIGS[a.shape])
     device = parallel.get_device()
     with torch.device(device):
         m = M.Transformer(cfg)
