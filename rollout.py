@@ -5,7 +5,7 @@ Generation (rollout). One interface, two engines:
   vLLM, an NPU). Prompts are prefilled once, packed; the n samples of a prompt copy that prompt's KV
   into their rows of a preallocated cache; every decode step is one batched forward of one token per
   live row; finished rows are compacted away; on CUDA the decode step is replayed from CUDA graphs
-  captured per batch-size bucket.
+  captured per batch-size bucket and cache span.
 - the in-process vLLM engine (colocated with training) is a separate piece of work; `make_engine`
   says so when asked for it.
 
@@ -78,6 +78,11 @@ class TorchEngine:
     head_dim in the model's dtype (Qwen2.5-1.5B: 28 KiB per token in bf16), allocated per generate call
     and freed by sleep(). Under FSDP the trainer hands this engine a full (gathered) copy of the weights:
     that costs one more model in memory while generating.
+
+    Decode speed (CUDA): the step is replayed from CUDA graphs captured per (batch-size bucket, cache span):
+    attention reads only the first `span` cache positions, the live length rounded up (see _span). A step is
+    ~50 small kernels per layer, so kernel count, not bandwidth, bounds it (BENCHMARKS.md); torch.compile of
+    the step would fuse them, but compiling the Qwen2.5-1.5B step did not finish within 165 s on an H200.
     """
 
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None):
@@ -85,7 +90,7 @@ class TorchEngine:
         self.max_num_seqs = max_num_seqs
         self.device = model.output_weight.device
         self.use_cuda_graph = (self.device.type == "cuda") if use_cuda_graph is None else use_cuda_graph
-        self._cache, self._graphs, self._pool = None, {}, None  # graphs live in one memory pool
+        self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # graphs live in one memory pool
 
     # interface shared with the vLLM engine -----------------------------------
     def update_weights(self, named_tensors):
@@ -96,7 +101,7 @@ class TorchEngine:
                 params[name].copy_(t)
 
     def sleep(self):
-        self._cache, self._graphs, self._pool = None, {}, None
+        self._cache, self._io, self._graphs, self._pool = None, None, {}, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -118,15 +123,20 @@ class TorchEngine:
 
     # internals -----------------------------------------------------------------
     def _alloc_cache(self, rows: int, max_len: int):
-        """One preallocated cache reused across waves while it is large enough: per layer (k, v) [rows, kvh, L, D]."""
+        """One preallocated cache reused across waves while it is large enough: per layer (k, v) [rows, kvh, L, D];
+        with CUDA graphs also their inputs (tokens, positions) and output (logits), shared by all graphs."""
         c = self._cache
         if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:
             return c
-        cfg, dtype = self.model.config, self.model.output_weight.dtype
+        cfg, w = self.model.config, self.model.output_weight
         shape = (rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self._graphs, self._pool = {}, None  # graphs captured over the old cache are invalid
-        self._cache = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                        torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # old graphs read the old cache
+        self._cache = [(torch.zeros(shape, dtype=w.dtype, device=self.device),
+                        torch.zeros(shape, dtype=w.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        if self.use_cuda_graph:
+            self._io = (torch.zeros(rows, dtype=torch.long, device=self.device),
+                        torch.zeros(rows, dtype=torch.long, device=self.device),
+                        torch.zeros(rows, w.shape[0], dtype=w.dtype, device=self.device))
         return self._cache
 
     def _prefill(self, prompts, params, cache, g):
@@ -153,29 +163,27 @@ class TorchEngine:
         """One token per row -> logits [rows, vocab]; replayed from a CUDA graph when enabled."""
         rows = tokens.shape[0]
         if not self.use_cuda_graph:
-            kv = [(k[:rows], v[:rows]) for k, v in cache]
-            batch = AttnBatch(kv_cache=kv, cache_pos=cache_pos, cache_len=cache_len)
-            return self.model(tokens[:, None], cache_pos[:, None], batch, logits_at=torch.arange(rows, device=self.device))
+            return _decode_step(self.model, tokens, cache_pos, [(k[:rows], v[:rows]) for k, v in cache], cache_len)
         bucket = next(b for b in _buckets(self.max_num_seqs) if b >= rows)
-        if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket, cache)
-        graph, t_in, p_in, logits_out, _ = self._graphs[bucket]
+        span = _span(cache_len, cache[0][0].shape[2] - 1)
+        if (bucket, span) not in self._graphs:
+            self._graphs[bucket, span] = self._capture(bucket, span, cache)
+        t_in, p_in, logits = self._io
         t_in[:rows], p_in[:rows] = tokens, cache_pos
-        p_in[rows:] = cache[0][0].shape[2] - 1  # padding rows write a slot no live row reads
-        graph.replay()
-        return logits_out[:rows]
+        p_in[rows:bucket] = span - 1  # padding rows: their cache rows hold no live sequence, any slot will do
+        self._graphs[bucket, span].replay()
+        return logits[:rows]
 
-    def _capture(self, bucket: int, cache):
-        L = cache[0][0].shape[2]
-        t_in = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        # warm-up and capture really run: write at the last slot, which no live row ever attends to
-        p_in = torch.full((bucket,), L - 1, dtype=torch.long, device=self.device)
-        kv = [(k[:bucket], v[:bucket]) for k, v in cache]
-        rows = torch.arange(bucket, device=self.device)
+    def _capture(self, bucket: int, span: int, cache):
+        """A CUDA graph of the decode step for the first `bucket` rows, attending over the first `span` positions."""
+        kv = [(k[:bucket, :, :span], v[:bucket, :, :span]) for k, v in cache]
+        t_in, p_in, logits = (x[:bucket] for x in self._io)
+        # warm-up and capture really run. They write k/v at slot span - 1 of every row: no live row has written
+        # that slot yet (live rows hold positions < cache_len <= span), and each writes it before reading it.
+        p_in.fill_(span - 1)
 
         def step():
-            batch = AttnBatch(kv_cache=kv, cache_pos=p_in, cache_len=L)
-            return self.model(t_in[:, None], p_in[:, None], batch, logits_at=rows)
+            logits.copy_(_decode_step(self.model, t_in, p_in, kv, span))
 
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -184,10 +192,10 @@ class TorchEngine:
                 step()
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
-            out = step()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step()
         self._pool = graph.pool()
-        return graph, t_in, p_in, out, rows  # rows: the graph reads it on every replay, keep it alive
+        return graph
 
     def _generate_wave(self, prompts, params, g):
         n, T = params.n, params.max_tokens
@@ -213,13 +221,13 @@ class TorchEngine:
             n_keep = int(keep.sum())  # the one host sync per step
             if n_keep == 0:
                 break
+            cache_len = max(len(p) for p in prompts) + step + 1  # positions any row reads at this step
             if n_keep < len(alive):  # compact: live rows move to the front of the cache
                 keep_idx = keep.nonzero()[:, 0]
                 for k, v in cache:
-                    k[:n_keep] = k[keep_idx]
-                    v[:n_keep] = v[keep_idx]
+                    k[:n_keep, :, :cache_len] = k[keep_idx, :, :cache_len]
+                    v[:n_keep, :, :cache_len] = v[keep_idx, :, :cache_len]
                 alive, tok, cache_pos = alive[keep_idx], tok[keep_idx], cache_pos[keep_idx]
-            cache_len = int(max(len(p) for p in prompts)) + step + 1
             logits = self._decode(tok, cache_pos, cache, cache_len)
             tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g)
             cache_pos = cache_pos + 1
@@ -235,9 +243,23 @@ class TorchEngine:
 
 
 def _buckets(max_num_seqs: int) -> list[int]:
-    """CUDA-graph batch sizes: 1, 2, 4, 8, then multiples of 16 up to max_num_seqs."""
-    b = [x for x in (1, 2, 4, 8) if x < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    """CUDA-graph batch sizes: 2, 4, 8, then multiples of 16 up to max_num_seqs (one row costs what two do)."""
+    b = [x for x in (2, 4, 8) if x < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sorted(set(b + [max_num_seqs]))
+
+
+def _span(cache_len: int, max_len: int) -> int:
+    """Cache positions a decode graph attends over: cache_len rounded up to a multiple of max(256, max_len / 16),
+    so at most 16 spans per batch bucket, and attention reads at most max_len / 16 positions it does not need."""
+    step = max(256, -(-max_len // 16))
+    return min(max_len, -(-cache_len // step) * step)
+
+
+def _decode_step(model, tokens, cache_pos, kv, cache_len: int):
+    """One token per row, written at cache_pos, attending over kv[:, :, :cache_len] -> logits [rows, vocab];
+    the unit the CUDA graphs replay."""
+    batch = AttnBatch(kv_cache=kv, cache_pos=cache_pos, cache_len=cache_len)
+    return model(tokens[:, None], cache_pos[:, None], batch)[:, 0]
 
 
 def make_engine(kind: str, model, max_num_seqs: int = 256, log=print):

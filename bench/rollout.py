@@ -1,0 +1,391 @@
+"""
+Rollout throughput: nanodapo's built-in TorchEngine (eager CUDA-graph decode) against
+transformers' `generate` and vLLM, on a random-init Qwen2.5-1.5B-shaped model, and the memory-bound
+decode limit of the same GPU.
+
+    PYTHONUNBUFFERED=1 python3 bench/rollout.py                       # GPU: built-in, transformers, limit (+vLLM if importable)
+    PYTHONUNBUFFERED=1 python3 bench/rollout.py --engines torch,vllm  # the vLLM run (env: shared/VLLM_ON_DEVICE.md)
+    python bench/rollout.py --tiny                                    # CPU smoke test of the script, seconds
+
+What it measures, for B = 64 and 256 prompts (n=1) of 256 random tokens and max_tokens 512 and 2048,
+sampling at temperature 1 with EOS ignored (every row generates exactly max_tokens):
+  tokens/s = B * max_tokens / wall time of one generate call (prefill included), median of --repeats
+  (--repeats-long for max_tokens > 512) timed calls after one small warm-up generate per engine (for the
+  built-in engine the first timed call includes its cache allocation and CUDA-graph captures for that size;
+  it is reported apart as "1st call").
+  (a) rollout.TorchEngine as committed, "torch": on CUDA its eager decode step is replayed from CUDA graphs
+  captured per (batch bucket, cache span),
+  (b) transformers Qwen2ForCausalLM.generate on the same weights (bf16, sdpa, do_sample, min_new_tokens =
+  max_new_tokens; only up to --hf-max-tokens, it is slow),
+  (c) vLLM when importable (skip_tokenizer_init, ignore_eos), (d) the memory-bound decode limit:
+  one decode step must read every weight once plus the live KV cache (average over the steps:
+  prompt + max_tokens/2 tokens per row); over the device-to-device copy bandwidth measured here
+  (bytes read + written of a 1 GiB copy) that is a step-time floor, and the limit is B / floor.
+Diagnostics for the built-in engine (what its decode step spends): prefill time, the whole loop's time
+per step, one replay of each CUDA graph the timed calls used (one per cache span), and the sampling
+call alone. Writes the results to $OUT/rollout.json when $OUT is set (after every stage).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/ (bench/rollout.py would shadow rollout.py)
+
+import torch
+
+import model as M
+import rollout as R
+
+p = argparse.ArgumentParser()
+p.add_argument("--tiny", action="store_true", help="tiny model, small sizes: a CPU smoke test of this script")
+p.add_argument("--engines", default="torch,hf,vllm",
+               help="comma list, run in this order: torch (the built-in engine), hf, vllm (only if importable)")
+p.add_argument("--batch", default="64,256")
+p.add_argument("--max-tokens", default="512,2048")
+p.add_argument("--prompt-len", type=int, default=256)
+p.add_argument("--repeats", type=int, default=3)
+p.add_argument("--repeats-long", type=int, default=2, help="timed calls for max_tokens > 512")
+p.add_argument("--hf-repeats", type=int, default=1)
+p.add_argument("--hf-max-tokens", type=int, default=512, help="run transformers only for max_tokens <= this")
+p.add_argument("--gpu-mem-util", type=float, default=0.5, help="vLLM gpu_memory_utilization (our model stays on the GPU)")
+p.add_argument("--ckpt-dir", default="/tmp/nanodapo_bench_model")
+args = p.parse_args()
+if args.tiny:
+    args.batch, args.max_tokens, args.prompt_len = "4,8", "16,32", 16
+Bs = [int(x) for x in args.batch.split(",")]
+Ts = [int(x) for x in args.max_tokens.split(",")]
+P = args.prompt_len
+engines = args.engines.split(",")
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+OUT = os.environ.get("OUT")
+RES = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "rows": {}, "diagnostics": {}, "errors": {}}
+
+
+def dump():
+    if OUT:
+        with open(os.path.join(OUT, "rollout.json"), "w") as f:
+            json.dump(RES, f, indent=1, default=str)
+
+
+def sync():
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t, out
+
+
+def row(B, T):
+    return RES["rows"].setdefault(f"B{B}_T{T}", {"B": B, "max_tokens": T, "prompt_len": P})
+
+
+# -----------------------------------------------------------------------------
+# environment
+
+RES["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__}
+try:
+    import transformers
+    RES["versions"]["transformers"] = transformers.__version__
+except ImportError:
+    pass
+if device.type == "cuda":
+    RES["gpu"] = torch.cuda.get_device_name()
+    try:
+        RES["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit",
+             "--format=csv"], capture_output=True, text=True, timeout=30).stdout.strip()
+        print(RES["nvidia_smi"])
+    except Exception as e:
+        RES["nvidia_smi"] = repr(e)
+print(f"versions: {RES['versions']}, device {RES.get('gpu', device)}")
+
+# -----------------------------------------------------------------------------
+# model: random init, Qwen2.5-1.5B shape (or tiny)
+
+if args.tiny:
+    cfg = M.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)
+else:
+    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768)
+t0 = time.perf_counter()
+if device.type == "cuda":
+    # init_weights draws on the CPU (~40 s for 1.5 B numbers); the same distribution, drawn on the GPU
+    with torch.device("cuda"):
+        model = M.Transformer(cfg)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+                mod.weight.normal_(0.0, 0.02, generator=g)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
+            elif isinstance(mod, M.RMSNorm):
+                mod.weight.fill_(1.0)
+    model = model.to(torch.bfloat16).eval()
+else:
+    model = M.Transformer(cfg).init_weights(seed=0).to(device, torch.bfloat16).eval()
+RES["n_params"] = sum(p.numel() for p in model.parameters())
+RES["build_s"] = round(time.perf_counter() - t0, 2)
+print(f"model: {RES['n_params'] / 1e9:.3f} B params, built in {RES['build_s']} s")
+
+gen = torch.Generator().manual_seed(0)
+PROMPTS = {B: torch.randint(100, cfg.vocab_size - 100, (B, P), generator=gen).tolist() for B in Bs}
+need_ckpt = any(e in engines for e in ("hf", "vllm"))
+if need_ckpt:
+    t0 = time.perf_counter()
+    M.save_pretrained(model, args.ckpt_dir)
+    print(f"saved checkpoint to {args.ckpt_dir} in {time.perf_counter() - t0:.1f} s")
+
+# -----------------------------------------------------------------------------
+# (d) the memory-bound decode limit, from a copy bandwidth measured now
+
+n = (2**28 if device.type == "cuda" else 2**24)  # fp32: 1 GiB on the GPU, 64 MiB on the CPU
+src = torch.randn(n, device=device)
+dst = torch.empty_like(src)
+for _ in range(3):
+    dst.copy_(src)
+reps = 20
+dt, _ = timed(lambda: [dst.copy_(src) for _ in range(reps)])
+copy_bw = 2 * src.numel() * src.element_size() * reps / dt  # bytes read + written
+del src, dst
+RES["copy_bw_GBps"] = round(copy_bw / 1e9, 1)
+weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding counted once
+kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16
+RES["weight_bytes"], RES["kv_bytes_per_token"] = weight_bytes, kv_per_token
+print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write); weights {weight_bytes / 1e9:.2f} GB; "
+      f"KV {kv_per_token / 1024:.0f} KiB/token")
+for B in Bs:
+    for T in Ts:
+        kv = B * (P + T / 2) * kv_per_token  # average live KV read per decode step
+        floor = (weight_bytes + kv) / copy_bw
+        r = row(B, T)
+        r["limit_step_ms"] = round(floor * 1e3, 3)
+        r["limit_tok_s"] = round(B / floor, 1)
+        r["limit_kv_GB_per_step"] = round(kv / 1e9, 3)
+dump()
+
+# -----------------------------------------------------------------------------
+# (a) the built-in engine
+
+
+def bench_torch(name="torch"):
+    """The built-in engine as constructed by default (CUDA graphs on CUDA)."""
+    eng = R.TorchEngine(model, max_num_seqs=max(Bs))
+    warm = R.SamplingParams(n=1, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=True)
+    t, _ = timed(lambda: eng.generate(PROMPTS[Bs[0]][:4], warm))
+    RES[f"{name}_warmup_s"] = round(t, 2)
+    print(f"{name} warm-up: {t:.2f} s")
+    for T in Ts:
+        for B in Bs:
+            sp = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True)
+            times = []
+            for _ in range(args.repeats if T <= 512 else args.repeats_long):
+                dt, out = timed(lambda: eng.generate(PROMPTS[B], sp))
+                ntok = sum(len(c.token_ids) for cs in out for c in cs)
+                assert ntok == B * T, (ntok, B * T)
+                times.append(dt)
+            r = row(B, T)
+            r[f"{name}_wall_s"] = [round(x, 3) for x in times]
+            r[f"{name}_tok_s"] = round(B * T / statistics.median(times), 1)
+            r[f"{name}_first_call_tok_s"] = round(B * T / times[0], 1)
+            print(f"{name:6s} B={B:4d} T={T:5d}: {r[f'{name}_tok_s']:10.0f} tok/s  (calls {r[f'{name}_wall_s']} s)")
+            dump()
+            if device.type == "cuda":
+                try:
+                    diagnose(eng, name, B, T, statistics.median(times))
+                except Exception as e:  # diagnostics must not cost the table
+                    RES["errors"][f"diag_{name}_B{B}_T{T}"] = repr(e)
+                    print("diagnostics failed:", repr(e))
+                dump()
+    eng.sleep()  # free the KV cache and graphs before the next engine
+
+
+def cuda_ms(fn, iters=20):
+    """Median over iters of one call, timed with CUDA events."""
+    fn()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def diagnose(eng, name, B, T, wall):
+    """Split the built-in engine's time: prefill, loop per step, graph replays, sampling (reads engine internals)."""
+    d = RES["diagnostics"].setdefault(f"{name}_B{B}_T{T}", {"engine": name, "B": B, "max_tokens": T})
+    cache = eng._cache
+    sp = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True)
+    with torch.no_grad():
+        d["prefill_ms"] = round(cuda_ms(lambda: eng._prefill(PROMPTS[B], sp, cache, None), iters=3), 2)
+    d["loop_ms_per_step"] = round((wall * 1e3 - d["prefill_ms"]) / (T - 1), 3)
+    # the graphs the timed calls replayed: bucket B, one per cache span (positions attended to)
+    d["graph_ms_by_span"] = {s: round(cuda_ms(g.replay, iters=30), 3) for (b, s), g in sorted(eng._graphs.items()) if b == B}
+    logits = torch.randn(B, cfg.vocab_size, device=device, dtype=torch.bfloat16)
+    d["sample_ms"] = round(cuda_ms(lambda: R.sample_tokens(logits, 1.0, 1.0, -1)), 3)
+    d["floor_ms_per_step"] = row(B, T)["limit_step_ms"]
+    print(f"       diag {name} B={B} T={T}: {d}")
+
+
+# -----------------------------------------------------------------------------
+# (b) transformers generate on the same weights
+
+
+def bench_hf():
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(args.ckpt_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.to(device).eval()
+    # same weights: logits of one prompt agree with ours within bf16 rounding
+    ids = torch.tensor(PROMPTS[Bs[0]][:2], device=device)[:, :64]
+    with torch.no_grad():
+        ref, got = model(ids).float(), hf(ids).logits.float()
+    RES["hf_vs_ours_logits_rel_err"] = rel = round(((got - ref).norm() / ref.norm()).item(), 5)
+    print(f"transformers vs nanodapo logits, relative error {rel} (bf16)")
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+
+    def generate(B, T):
+        x = torch.tensor(PROMPTS[B], device=device)
+        with torch.no_grad():
+            return hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=T, min_new_tokens=T, **kw)
+    x = torch.tensor(PROMPTS[Bs[0]][:4], device=device)
+    with torch.no_grad():
+        t, _ = timed(lambda: hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=8,
+                                         min_new_tokens=8, **kw))
+    print(f"transformers warm-up: {t:.2f} s")
+    for T in Ts:
+        if T > args.hf_max_tokens:
+            continue
+        for B in Bs:
+            times = []
+            for _ in range(args.hf_repeats):
+                dt, out = timed(lambda: generate(B, T))
+                assert out.shape == (B, P + T), out.shape
+                times.append(dt)
+            r = row(B, T)
+            r["hf_wall_s"] = [round(x, 3) for x in times]
+            r["hf_tok_s"] = round(B * T / statistics.median(times), 1)
+            print(f"hf     B={B:4d} T={T:5d}: {r['hf_tok_s']:10.0f} tok/s  (calls {r['hf_wall_s']} s)")
+            dump()
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -----------------------------------------------------------------------------
+# (c) vLLM, in process, as the trainer will host it (external_launcher, no tokenizer)
+
+
+def bench_vllm():
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533",
+                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0",
+                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1",
+                 "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}.items():
+        os.environ.setdefault(k, v)
+    import torch.distributed as dist
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo")
+    import vllm
+    from vllm import LLM, SamplingParams
+    RES["versions"]["vllm"] = vllm.__version__
+    t0 = time.perf_counter()
+    llm = LLM(model=args.ckpt_dir, skip_tokenizer_init=True, distributed_executor_backend="external_launcher",
+              gpu_memory_utilization=args.gpu_mem_util, seed=0, dtype="bfloat16",
+              max_model_len=P + max(Ts) + 64, max_num_seqs=max(Bs))
+    RES["vllm_init_s"] = round(time.perf_counter() - t0, 1)
+    print(f"vLLM {vllm.__version__} engine init {RES['vllm_init_s']} s")
+    warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS[Bs[0]][:4]], warm, use_tqdm=False)
+    for T in Ts:
+        for B in Bs:
+            sp = SamplingParams(temperature=1.0, max_tokens=T, ignore_eos=True, detokenize=False)
+            ps = [{"prompt_token_ids": p} for p in PROMPTS[B]]
+            times = []
+            for _ in range(args.repeats if T <= 512 else args.repeats_long):
+                dt, outs = timed(lambda: llm.generate(ps, sp, use_tqdm=False))
+                assert sum(len(o.outputs[0].token_ids) for o in outs) == B * T
+                times.append(dt)
+            r = row(B, T)
+            r["vllm_wall_s"] = [round(x, 3) for x in times]
+            r["vllm_tok_s"] = round(B * T / statistics.median(times), 1)
+            print(f"vllm   B={B:4d} T={T:5d}: {r['vllm_tok_s']:10.0f} tok/s  (calls {r['vllm_wall_s']} s)")
+            dump()
+
+
+# -----------------------------------------------------------------------------
+# run, then the table
+
+if "torch" in engines:
+    bench_torch()
+if "hf" in engines:
+    try:
+        bench_hf()
+    except Exception as e:
+        RES["errors"]["hf"] = repr(e)
+        print("transformers failed:", repr(e))
+if "vllm" in engines:
+    try:
+        import vllm  # noqa: F401
+        have_vllm = True
+    except ImportError as e:
+        have_vllm = False
+        RES["errors"]["vllm"] = f"not importable: {e}"
+        print(f"vLLM not importable ({e}); skipped")
+    if have_vllm:
+        try:
+            bench_vllm()
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            RES["errors"]["vllm"] = repr(e)
+dump()
+
+
+def fmt(x, spec="10.0f"):
+    return format(x, spec) if x is not None else " " * (int(spec.split(".")[0]) - 1) + "-"
+
+
+def ratio(a, b):
+    return a / b if a is not None and b is not None else None
+
+
+print(f"\n=== rollout tokens/s: built-in = rollout.TorchEngine (CUDA graphs); {RES.get('gpu', device)}, "
+      f"{RES['n_params'] / 1e9:.2f} B params bf16, prompt {P}, n=1, T=1.0, ignore_eos; median of {args.repeats} calls, "
+      f"{args.repeats_long} for max_tokens > 512 (transformers: {args.hf_repeats}) ===")
+print(f"copy bandwidth {RES['copy_bw_GBps']:.0f} GB/s (read+write), weights {weight_bytes / 1e9:.2f} GB, "
+      f"KV {kv_per_token // 1024} KiB/token")
+hdr = (f"{'B':>4} {'max_tok':>7} | {'built-in':>9} {'1st call':>9} {'transf.':>9} {'vLLM':>9} {'limit':>9} | "
+       f"{'b/HF':>6} {'b/vLLM':>6} {'b/limit':>7}")
+print(hdr)
+print("-" * len(hdr))
+for r in RES["rows"].values():
+    b, h, v, lim = (r.get(k) for k in ("torch_tok_s", "hf_tok_s", "vllm_tok_s", "limit_tok_s"))
+    print(f"{r['B']:>4} {r['max_tokens']:>7} | {fmt(b, '9.0f')} {fmt(r.get('torch_first_call_tok_s'), '9.0f')} "
+          f"{fmt(h, '9.0f')} {fmt(v, '9.0f')} {fmt(lim, '9.0f')} | {fmt(ratio(b, h), '6.2f')} "
+          f"{fmt(ratio(b, v), '6.2f')} {fmt(ratio(b, lim), '7.2f')}")
+if RES["diagnostics"]:
+    print("\nbuilt-in engine, ms per decode step (graph = one CUDA-graph replay of the model step, per cache span)")
+    for d in RES["diagnostics"].values():
+        print(f"{d['engine']:12s} B={d['B']:4d} max_tok={d['max_tokens']:5d} | prefill {d['prefill_ms']:7.1f} "
+              f"loop {d['loop_ms_per_step']:6.3f} graph {d['graph_ms_by_span']} sample {d['sample_ms']:6.3f} "
+              f"floor {d['floor_ms_per_step']:6.3f}")
+print("errors:", RES["errors"] or "none")
+if "vllm" in RES["versions"]:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
