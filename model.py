@@ -219,14 +219,17 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         cu = batch.cu_seqlens.to(torch.int32)
         out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL)
         return out.unsqueeze(0)
-    if batch._mask is None:  # block-diagonal causal mask, made once per forward (CPU / fallback path)
-        doc = torch.repeat_interleave(torch.arange(len(batch.cu_seqlens) - 1, device=q.device),
-                                      torch.diff(batch.cu_seqlens).to(q.device))
-        idx = torch.arange(T, device=q.device)
-        batch._mask = (doc[:, None] == doc[None, :]) & (idx[:, None] >= idx[None, :])
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=batch._mask, enable_gqa=H != k.shape[2])
-    return out.transpose(1, 2)
+    # no varlen kernel (CPU, fp32): gather the documents into a right-padded [docs, max_len] batch. Causal
+    # attention never lets a real token see the right padding, and padded outputs are dropped on the way back,
+    # so the cost is docs * max_len^2 instead of (total tokens)^2 for a block-diagonal mask.
+    if batch._mask is None:  # made once per forward, shared by all layers
+        cu = batch.cu_seqlens.long().to(q.device)
+        pos = torch.arange(batch.max_seqlen, device=q.device)
+        batch._mask = ((cu[:-1, None] + pos[None]).clamp(max=T - 1), pos[None] < torch.diff(cu)[:, None])
+    idx, valid = batch._mask
+    out = F.scaled_dot_product_attention(*(t[0][idx].transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                         enable_gqa=H != k.shape[2])
+    return out.transpose(1, 2)[valid].unsqueeze(0)
 
 
 def _decode_attention(q, batch: AttnBatch) -> torch.Tensor:
