@@ -49,7 +49,9 @@ def test_sharded_training_matches_single_process(model_dir, tmp_path, mode, npro
     ref, _, ref_losses = single_process(model_dir)
     torchrun(nproc, mode, model_dir, tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
-    assert max_diff(dict(ref.named_parameters()), got["params"]) < 1e-5
+    # 3 AdamW steps of lr 1e-2 amplify fp32 rounding (thread count changes reduction order): allow 1% of a
+    # step; the per-head-norm gradient bug this caught gave 4e-2
+    assert max_diff(dict(ref.named_parameters()), got["params"]) < 1e-4
     if mode == "tp":  # every TP rank sees all documents: the same loss as one process
         assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)
 
@@ -80,10 +82,10 @@ def test_checkpoint_resumes_at_another_world_size(model_dir, tmp_path, save_at, 
     ref, _, _ = single_process(model_dir, steps=2)  # two uninterrupted steps
     got = torch.load(tmp_path / "loaded.pt")
     assert got["state"]["step"] == 1
-    assert max_diff(dict(ref.named_parameters()), got["params"]) < 1e-5
+    assert max_diff(dict(ref.named_parameters()), got["params"]) < 1e-4  # Adam amplifies fp32 rounding, as above
     exported = M.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)  # the HF export after step 1
     one, _, _ = single_process(model_dir, steps=1)
-    assert max_diff(dict(one.named_parameters()), dict(exported.named_parameters())) < 1e-5
+    assert max_diff(dict(one.named_parameters()), dict(exported.named_parameters())) < 1e-4
 
 
 def test_device_selection_with_a_fake_npu(monkeypatch):
