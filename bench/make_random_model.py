@@ -29,11 +29,7 @@ if __name__ == "__main__":
     device = parallel.get_device()
     with torch.device(device):
         m = M.Transformer(cfg)
-    for p in m.parameters():  # init on the device: seconds instead of minutes on the CPU
-        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-    for name, p in m.named_parameters():
-        if name.endswith(".bias"):
-            torch.nn.init.zeros_(p)
+    m.init_weights(seed=0)  # drawn on the device: seconds instead of a minute on the CPU
     M.save_pretrained(m.to(torch.bfloat16), os.path.join(a.out, "model"))
     write_tokenizer(os.path.join(a.out, "model"))
     data.write_parquet(data.make_arith_rows(2000, "train", seed=0), os.path.join(a.out, "train.parquet"))
