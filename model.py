@@ -6,6 +6,7 @@ with its chat template (tokenizers + jinja2, no transformers at run time).
 Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), so a checkpoint
 loads by name and the rollout engine receives HF-named tensors without a mapping table.
 """
+import functools
 import json
 import math
 import os
@@ -189,8 +190,9 @@ class AttnBatch:
 _VARLEN_CAUSAL = {}  # torch <= 2.10 takes is_causal=True, later releases window_size=(-1, 0)
 
 
-def _varlen_available(device: torch.device) -> bool:
-    if device.type != "cuda":
+@functools.lru_cache
+def _varlen_available(device_type: str) -> bool:
+    if device_type != "cuda":
         return False
     try:
         import inspect
@@ -205,14 +207,12 @@ def _varlen_available(device: torch.device) -> bool:
 def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, KVH, D] -> [B, T, H, D]."""
     B, T, H, D = q.shape
-    if batch.kv_cache is not None:  # decode: q is one token per row; k/v are already in the cache
-        return _decode_attention(q, batch)
     if batch.cu_seqlens is None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=H != k.shape[2])
         return out.transpose(1, 2)
     # packed documents (B == 1)
-    if q.dtype in (torch.float16, torch.bfloat16) and _varlen_available(q.device):  # flash kernels: half only
+    if q.dtype in (torch.float16, torch.bfloat16) and _varlen_available(q.device.type):  # flash kernels: half only
         from torch.nn.attention.varlen import varlen_attn
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
@@ -232,8 +232,8 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
     return out.transpose(1, 2)[valid].unsqueeze(0)
 
 
-def _decode_attention(q, batch: AttnBatch) -> torch.Tensor:
-    k_cache, v_cache = batch._layer_kv
+def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
+    """q [B, 1, H, D], one new token per row, against that row's cache positions <= cache_pos."""
     L = batch.cache_len
     if batch._mask is None:  # row r sees cache positions <= cache_pos[r]
         batch._mask = (torch.arange(L, device=q.device)[None, :] <= batch.cache_pos[:, None])[:, None, None, :]
@@ -306,8 +306,9 @@ class Attention(nn.Module):
             rows = torch.arange(B, device=x.device)
             k_cache[rows, :, batch.cache_pos] = k[:, 0]
             v_cache[rows, :, batch.cache_pos] = v[:, 0]
-            batch._layer_kv = (k_cache, v_cache)
-        y = attention(q, k, v, batch)
+            y = decode_attention(q, k_cache, v_cache, batch)
+        else:
+            y = attention(q, k, v, batch)
         return self.o_proj(y.reshape(B, T, -1))
 
 

@@ -45,11 +45,6 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def synchronize(device: torch.device):
-    if device.type != "cpu":
-        torch.get_device_module(device.type).synchronize()
-
-
 def max_memory_allocated_gib(device: torch.device) -> float:
     if device.type == "cpu":
         return 0.0

@@ -263,11 +263,8 @@ def _decode_step(model, tokens, cache_pos, kv, cache_len: int):
 
 
 def make_engine(kind: str, model, max_num_seqs: int = 256, log=print):
-    """rollout_engine = "auto" | "torch" (| "vllm" once the in-process vLLM engine exists)."""
-    if kind not in ("auto", "torch", "vllm"):
+    """rollout_engine = "auto" | "torch": the built-in engine (the in-process vLLM engine is not built yet)."""
+    if kind not in ("auto", "torch"):
         raise ValueError(f"rollout_engine={kind!r}; use 'auto' or 'torch'")
-    if kind == "vllm":
-        raise NotImplementedError("the in-process vLLM engine is not part of this version yet; "
-                                  "use rollout_engine='torch' (or 'auto')")
     log(f"rollout engine: torch (built-in{', CUDA graphs' if model.output_weight.is_cuda else ''})")
     return TorchEngine(model, max_num_seqs=max_num_seqs)

@@ -965,7 +965,8 @@ def train(cfg: Config):
             traj.seq_final_reward = traj.seq_reward
             if cfg.use_kl_in_reward:  # seq_final_reward = seq_reward - kl_coef * sum of token KL
                 traj.ref_logp = compute_logprobs(ref_model, traj, cfg, ctx, dims)
-                kl = kl_penalty(compute_logprobs(model, traj, cfg, ctx, dims), traj.ref_logp, cfg.kl_penalty)
+                traj.old_logp = compute_logprobs(model, traj, cfg, ctx, dims)  # kept: step 6 needs no second pass
+                kl = kl_penalty(traj.old_logp, traj.ref_logp, cfg.kl_penalty)
                 traj.seq_final_reward = traj.seq_reward - cfg.kl_coef * (kl * traj.response_mask).sum(-1)
             timing["ref"] += time.perf_counter() - t0
             return traj
@@ -980,8 +981,9 @@ def train(cfg: Config):
         model.eval()
         on_policy = cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size
         metrics = {}
-        if not on_policy:
+        if not on_policy and batch.old_logp is None:
             batch.old_logp = compute_logprobs(model, batch, cfg, ctx, dims)
+        if batch.old_logp is not None:
             metrics["rollout/logp_mismatch"] = _mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
         timing["old_logp"] = time.perf_counter() - t0
         if cfg.use_kl_loss:
