@@ -6,12 +6,22 @@ Generation (rollout). One interface, two engines:
   into their rows of a preallocated cache; every decode step is one batched forward of one token per
   live row; finished rows are compacted away; on CUDA the decode step is replayed from CUDA graphs
   captured per batch-size bucket and cache span.
-- the in-process vLLM engine (colocated with training) is a separate piece of work; `make_engine`
-  says so when asked for it.
+- VLLMEngine: vLLM in the training process ("colocated"). Every torchrun rank holds its share of an
+  engine next to its FSDP shard; ranks [e * gen_tp, (e + 1) * gen_tp) form engine e, which generates for
+  its share of the prompts. Weights come from the trainer in buckets of full tensors (no file, no
+  server); between rollouts the engine sleeps and gives its memory back to training.
+
+The interface: generate(prompts, params, version) -> per prompt, n Completions; load_weights(buckets,
+version); wake_up(tags); sleep(). `weights_version` is the trainer version the engine holds (None: no
+weights); generating with another version than the caller's raises StaleWeightsError.
 
 Log-probs returned by both are those of the sampled tokens under log_softmax(logits / temperature),
-the same transform the trainer uses (top-p / top-k only restrict what is sampled).
+the same transform the trainer uses. top-p / top-k restrict what is sampled; the built-in engine's
+log-probs ignore them, vLLM's ("processed_logprobs") are renormalized over the kept tokens, so with
+top_p < 1 or top_k the two differ from the trainer's by the log of the kept mass (training defaults
+top_p=1, top_k=-1 make all three equal).
 """
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -85,33 +95,43 @@ class TorchEngine:
     the step would fuse them, but compiling the Qwen2.5-1.5B step did not finish within 165 s on an H200.
     """
 
-    def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None):
+    def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
+                 shares_weights: bool = True):
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.device = model.output_weight.device
         self.use_cuda_graph = (self.device.type == "cuda") if use_cuda_graph is None else use_cuda_graph
+        self.shares_weights = shares_weights  # the trainer's own tensors: every update reaches us, no push
+        self.weights_version = 0
         self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # graphs live in one memory pool
 
-    # interface shared with the vLLM engine -----------------------------------
-    def update_weights(self, named_tensors):
-        """Copy HF-named tensors into the model (only needed when the engine does not share the trainer's)."""
-        params = dict(self.model.named_parameters())
+    # the engine interface ------------------------------------------------------
+    def load_weights(self, buckets, version: int) -> int:
+        """Copy buckets of (HF name, tensor) into the model (when it is a separate copy); -> bytes copied."""
+        params, nbytes = dict(self.model.named_parameters()), 0
         with torch.no_grad():
-            for name, t in named_tensors:
-                params[name].copy_(t)
+            for bucket in buckets:
+                for name, t in bucket:
+                    params[name].copy_(t)
+                    nbytes += t.numel() * t.element_size()
+        self.weights_version = version
+        return nbytes
 
     def sleep(self):
+        """Free the KV cache and graphs; the weights stay (they are the trainer's, or a copy we keep)."""
         self._cache, self._io, self._graphs, self._pool = None, None, {}, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def wake_up(self):
+    def wake_up(self, tags=None):
         pass  # the cache is allocated lazily by generate
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
+                 ) -> list[list[Completion]]:
         """-> per prompt, params.n completions. Prompts are processed in waves of whole prompts
-        (at most max_num_seqs rows each)."""
+        (at most max_num_seqs rows each). version: the trainer's weight version the caller expects."""
+        check_version(self.weights_version, version)
         g = None
         if params.seed is not None:
             g = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -262,9 +282,144 @@ def _decode_step(model, tokens, cache_pos, kv, cache_len: int):
     return model(tokens[:, None], cache_pos[:, None], batch)[:, 0]
 
 
-def make_engine(kind: str, model, max_num_seqs: int = 256, log=print):
-    """rollout_engine = "auto" | "torch": the built-in engine (the in-process vLLM engine is not built yet)."""
-    if kind not in ("auto", "torch"):
-        raise ValueError(f"rollout_engine={kind!r}; use 'auto' or 'torch'")
-    log(f"rollout engine: torch (built-in{', CUDA graphs' if model.output_weight.is_cuda else ''})")
-    return TorchEngine(model, max_num_seqs=max_num_seqs)
+class StaleWeightsError(RuntimeError):
+    pass
+
+
+def check_version(held, expected):
+    if expected is not None and held != expected:
+        raise StaleWeightsError(f"the rollout engine holds weights version {held} but the trainer is at {expected}: "
+                                "generating now would train on samples from other weights (push the weights first)")
+
+
+# -----------------------------------------------------------------------------
+# the in-process vLLM engine
+
+
+def engine_share(num_prompts: int, world_size: int, gen_tp: int, rank: int) -> tuple[int, int, int]:
+    """-> (engine index, lo, hi): ranks [e * gen_tp, (e + 1) * gen_tp) form engine e (vLLM's "external data
+    parallel" layout: consecutive ranks share a TP group), which generates prompts[lo:hi]; every rank of an
+    engine gets the same slice. The built-in engine is the case gen_tp = 1."""
+    engines = world_size // gen_tp
+    e = rank // gen_tp
+    k = -(-num_prompts // engines)
+    return e, min(e * k, num_prompts), min((e + 1) * k, num_prompts)
+
+
+def engine_results(per_rank: list, gen_tp: int) -> list:
+    """From every rank's result (rank order), one per engine (its TP rank 0), in engine order = prompt order."""
+    return per_rank[::gen_tp]
+
+
+def free_device_memory() -> int:
+    """Bytes free on the current accelerator as the driver sees them, after torch's allocator returns its
+    cached blocks (vLLM's memory pool is invisible to torch's allocator statistics)."""
+    module = torch.get_device_module()
+    module.empty_cache()
+    return module.mem_get_info()[0]
+
+
+class VLLMEngine:
+    """vllm.LLM in this process, one per TP group of gen_tp ranks (distributed_executor_backend=
+    "external_launcher" reuses torchrun's process group). Built before the trainer allocates its memory,
+    with random ("dummy") weights: the trainer pushes its own before the first generate.
+
+    Memory cycle per rollout (sleep level 2 drops weights and KV cache, so every wake needs a full push):
+        wake_up(["weights"]) -> load_weights(buckets) -> wake_up(["kv_cache"]) -> generate -> sleep()
+    """
+    shares_weights = False
+
+    def __init__(self, model_path: str, *, gen_tp: int = 1, gpu_memory_utilization: float = 0.5,
+                 max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False,
+                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int | None = None, seed: int = 0,
+                 dtype: str = "bfloat16", engine_kwargs: dict | None = None):
+        import os
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
+        import torch.distributed as dist
+        from vllm import LLM
+        kw = dict(model=model_path, tensor_parallel_size=gen_tp, enable_sleep_mode=True,
+                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                  enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len,
+                  max_num_seqs=max_num_seqs, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+                  seed=seed,  # the same on every rank of a TP group: their schedulers must sample alike
+                  logprobs_mode="processed_logprobs")  # log p after temperature (and top-k/top-p), as trained
+        if max_num_batched_tokens:
+            kw["max_num_batched_tokens"] = max_num_batched_tokens
+        if dist.is_initialized():
+            kw["distributed_executor_backend"] = "external_launcher"
+        kw.update(engine_kwargs or {})
+        self.llm = LLM(**kw)
+        self.weights_version = None  # dummy weights
+        self.awake = {"weights", "kv_cache"}
+        free_before = free_device_memory()
+        self.sleep()
+        self.kv_bytes = free_device_memory() - free_before  # what waking up must find free again
+
+    def sleep(self):
+        if self.awake:
+            self.llm.sleep(level=2)
+        self.awake, self.weights_version = set(), None
+
+    def wake_up(self, tags=("weights", "kv_cache")):
+        tags = [t for t in tags if t not in self.awake]
+        if not tags:
+            return
+        free = free_device_memory()
+        if not self.awake and free < 0.95 * self.kv_bytes:  # checked before the first tag of a cycle wakes
+            raise RuntimeError(f"vLLM needs ~{self.kv_bytes / 2**30:.1f} GiB back (weights + KV cache) to wake up "
+                               f"but only {free / 2**30:.1f} GiB are free next to training: lower "
+                               "gpu_memory_utilization, or turn on param_offload / optimizer_offload")
+        self.llm.wake_up(tags=tags)
+        self.awake.update(tags)
+
+    def load_weights(self, buckets, version: int) -> int:
+        """Feed buckets of (HF name, full tensor) to vLLM's load_weights, which fuses q/k/v and gate/up and
+        keeps its own TP slice; each bucket is dropped once loaded. -> bytes pushed."""
+        self.wake_up(["weights"])
+        nbytes = 0
+        for bucket in buckets:
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            self.llm.collective_rpc(lambda worker, b=bucket: worker.model_runner.model.load_weights(iter(b)))
+            del bucket
+        self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
+        self.weights_version = version
+        return nbytes
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
+                 ) -> list[list[Completion]]:
+        check_version(self.weights_version, version)
+        self.wake_up(["kv_cache"])
+        from vllm import SamplingParams as VLLMSamplingParams
+        # n samples = n requests, each with its own seed: the same on every rank of the TP group, and the
+        # output order is ours (vLLM's prefix cache shares the prompt's KV between them)
+        requests, sampling = [], []
+        for i, p in enumerate(prompts):
+            for j in range(params.n):
+                requests.append({"prompt_token_ids": list(p)})
+                sampling.append(VLLMSamplingParams(
+                    n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+                    max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+                    ignore_eos=params.ignore_eos, detokenize=False, logprobs=0 if params.logprobs else None,
+                    seed=None if params.seed is None else params.seed + i * params.n + j))
+        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        flat = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            logp = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)] if params.logprobs else None
+            flat.append(Completion(token_ids=ids, logprobs=logp,
+                                   finish_reason="stop" if c.finish_reason == "stop" else "length"))
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+
+def resolve_engine(kind: str, device_type: str) -> str:
+    """rollout_engine = "auto" (vLLM on CUDA when it is installed, else the built-in engine) | "torch" | "vllm"."""
+    if kind not in ("auto", "torch", "vllm"):
+        raise ValueError(f"rollout_engine={kind!r}; use 'auto', 'torch' or 'vllm'")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if kind == "vllm" and not has_vllm:
+        raise ValueError("rollout_engine='vllm' but vllm is not installed: pip install -e '.[vllm]', "
+                         "or use rollout_engine='torch'")
+    if kind == "auto":
+        return "vllm" if has_vllm and device_type == "cuda" else "torch"
+    return kind

@@ -103,9 +103,17 @@ class Config:
     val_top_p: float = 0.7
     val_top_k: int = -1
     val_do_sample: bool = True  # False = greedy validation
-    rollout_engine: str = "auto"  # auto | torch
-    max_num_seqs: int = 256  # rows the built-in engine decodes at once
-    weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size (multi-GPU)
+    rollout_engine: str = "auto"  # auto (vllm on CUDA when installed, else torch) | torch (built-in) | vllm
+    max_num_seqs: int = 256  # sequences an engine decodes at once
+    weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size
+    # vLLM engine (rollout_engine="vllm"): world_size / gen_tp engines, colocated with training
+    gen_tp: int = 1  # tensor parallel size of one engine (verl: rollout.tensor_model_parallel_size)
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU for vLLM's weights + KV cache while it is awake
+    enforce_eager: bool = False  # no CUDA graphs / torch.compile in vLLM (fast start, slower decode)
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = 0  # vLLM's token budget per engine step (0 = vLLM's default)
+    vllm_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as is, e.g. {"cudagraph_capture_sizes": [..]}
+    tis_imp_ratio_cap: float = -1.0  # truncated importance sampling: weight token losses by min(p_old / p_rollout, cap)
     # parallelism (torchrun sets the world size; dp = world_size / tp_size, FSDP2 shards over dp)
     tp_size: int = 1  # tensor parallel degree for training
     param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
@@ -154,6 +162,8 @@ def _type_ok(value, tp) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin is list:
         return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
+    if tp is dict:
+        return isinstance(value, dict)
     if origin is tuple:
         return isinstance(value, (tuple, list)) and len(value) == len(args) and all(
             _type_ok(v, a) for v, a in zip(value, args))
@@ -244,7 +254,7 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
                                                                     "clip_ratio_high >= 0")
     choices = {"loss_agg_mode": AGG_MODES, "kl_loss_type": KL_TYPES, "kl_penalty": KL_TYPES,
                "filter_groups_metric": FILTER_METRICS, "truncation": ("error", "left", "right", "middle"),
-               "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch"),
+               "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch", "vllm"),
                "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32")}
     for k, allowed in choices.items():
         need(getattr(cfg, k) in allowed, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(allowed)}")
@@ -260,6 +270,16 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
              f"{cfg.max_response_length}]")
     need(0 < cfg.top_p <= 1 and 0 < cfg.val_top_p <= 1, "top_p and val_top_p must be in (0, 1]")
     need(cfg.temperature > 0, "temperature must be > 0 for training rollouts (log-probs are taken under it)")
+    need(cfg.gen_tp >= 1 and world_size % cfg.gen_tp == 0,
+         f"gen_tp={cfg.gen_tp} must divide the world size {world_size} (world_size / gen_tp vLLM engines)")
+    need(cfg.gen_tp == 1 or cfg.rollout_engine != "torch", f"gen_tp={cfg.gen_tp} needs rollout_engine='vllm' (the "
+                                                            "built-in engine generates on one GPU per rank)")
+    need(0 < cfg.gpu_memory_utilization < 1, f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1)")
+    need(cfg.tis_imp_ratio_cap == -1 or cfg.tis_imp_ratio_cap >= 1,
+         f"tis_imp_ratio_cap={cfg.tis_imp_ratio_cap}: use -1 (off) or a cap >= 1 (e.g. 2)")
+    if cfg.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout_engine='vllm' but vllm is not installed: pip install -e '.[vllm]' (CUDA), or "
+                          "use rollout_engine='torch' (the built-in engine)")
     if not check_files:
         return
     import data
@@ -370,8 +390,9 @@ def agg_loss(loss_mat, mask, mode: str, max_response_length: int | None = None):
 
 
 def policy_loss(logp, old_logp, adv, mask, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
-                loss_agg_mode: str, max_response_length: int | None = None):
-    """Clipped surrogate with clip-higher and dual clip. adv is [T] or [T, R]. -> (loss, metrics)"""
+                loss_agg_mode: str, max_response_length: int | None = None, token_weight=None):
+    """Clipped surrogate with clip-higher and dual clip. adv is [T] or [T, R]; token_weight (e.g. truncated
+    importance weights) multiplies the per-token loss before aggregation. -> (loss, metrics)"""
     adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
     d = (logp - old_logp).clamp(-20, 20)
     ratio = d.exp()
@@ -380,11 +401,19 @@ def policy_loss(logp, old_logp, adv, mask, clip_ratio_low: float, clip_ratio_hig
     c1 = torch.maximum(l1, l2)
     l3 = -adv * clip_ratio_c
     loss_mat = torch.where(adv < 0, torch.minimum(l3, c1), c1)
+    if token_weight is not None:
+        loss_mat = loss_mat * token_weight
     m = mask.float()
     tmean = lambda x: (x.float() * m).sum() / m.sum().clamp(min=1)  # noqa: E731
     metrics = {"pg_clipfrac": tmean(l2 > l1).item(), "pg_clipfrac_lower": tmean((c1 > l3) & (adv < 0)).item(),
                "ppo_kl": tmean(-d).item()}
     return agg_loss(loss_mat, mask, loss_agg_mode, max_response_length), metrics
+
+
+def truncated_is_weight(old_logp, rollout_logp, cap: float):
+    """TIS: min(p_old / p_rollout, cap) per token, a constant (no gradient). Corrects for the rollout engine
+    sampling from slightly different probabilities than the trainer computes (bf16 kernels, vLLM vs torch)."""
+    return (old_logp - rollout_logp).clamp(max=math.log(cap)).exp().detach()
 
 
 def overlong_scores(resp_lens: list[int], cfg: Config) -> list[float]:
@@ -535,9 +564,11 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                     logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=True)
                 logp, ent, mask = logp.float(), ent.float(), mask.to(logp.device)
                 old = traj.old_logp[mb].to(logp.device) if traj.old_logp is not None else logp.detach()
+                tis = (truncated_is_weight(old, traj.rollout_logp[mb].to(logp.device), cfg.tis_imp_ratio_cap)
+                       if cfg.tis_imp_ratio_cap > 0 else None)
                 pg_loss, m = policy_loss(logp, old, traj.adv[mb].to(logp.device), mask, cfg.clip_ratio_low,
                                          cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode,
-                                         cfg.max_response_length)
+                                         cfg.max_response_length, token_weight=tis)
                 entropy = agg_loss(ent, mask, cfg.loss_agg_mode, cfg.max_response_length)
                 loss = pg_loss - cfg.entropy_coeff * entropy
                 m.update(pg_loss=pg_loss.item(), entropy=entropy.item())
@@ -592,13 +623,13 @@ def make_scheduler(optimizer, cfg: Config, total_optimizer_steps: int):
 
 
 def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], cfg: Config, seed: int, *, n: int,
-                       temperature: float, top_p: float, top_k: int, group_offset: int = 0):
+                       temperature: float, top_p: float, top_k: int, group_offset: int = 0, version=None):
     """Generate n responses per prompt and score them -> (Trajectories, texts, reward stats)."""
     from rollout import SamplingParams
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                             max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids, seed=seed)
     t0 = time.perf_counter()
-    outputs = engine.generate([p["prompt_ids"] for p in prompts], params)
+    outputs = engine.generate([p["prompt_ids"] for p in prompts], params, version=version)
     t_gen = time.perf_counter() - t0
     comps = [(p, c) for p, cs in zip(prompts, outputs) for c in cs]
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in comps]
@@ -830,7 +861,7 @@ def train(cfg: Config):
     import model as M
     import parallel
     import reward
-    from rollout import make_engine
+    from rollout import TorchEngine, VLLMEngine, engine_results, engine_share, resolve_engine
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     dims = parallel.init_distributed(cfg.device, cfg.tp_size)
@@ -856,6 +887,20 @@ def train(cfg: Config):
     sampler = data.PromptSampler(len(train_prompts), seed=cfg.seed, shuffle=cfg.shuffle)
     scorer = reward.RewardScorer(cfg.reward_fn, num_workers=cfg.reward_num_workers, timeout_s=cfg.reward_timeout)
 
+    # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
+    # sleeps (weights and cache released) until the first rollout
+    engine, gen_tp = None, cfg.gen_tp
+    if resolve_engine(cfg.rollout_engine, device.type) == "vllm":
+        t0 = time.perf_counter()
+        engine = VLLMEngine(cfg.model_path, gen_tp=gen_tp, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                            max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+                            enable_chunked_prefill=cfg.enable_chunked_prefill,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens or None, seed=cfg.seed,
+                            dtype=cfg.dtype, engine_kwargs=cfg.vllm_kwargs)
+        log(f"rollout engine: vLLM, {dims.world_size // gen_tp} engine(s) of TP {gen_tp}, started in "
+            f"{time.perf_counter() - t0:.0f} s; {engine.kv_bytes / 2**30:.1f} GiB each while awake")
+
     # the policy: fp32 master weights. One device: plain module under autocast. Several: TP and/or FSDP2
     # shards with bf16 compute; the rollout engine then needs its own full copy, refreshed every step.
     sharded = dims.world_size > 1
@@ -868,13 +913,15 @@ def train(cfg: Config):
         ref_model = M.from_pretrained(cfg.model_path, dtype=torch.float32, device=device, parallelize=shard)
         ref_model.eval().requires_grad_(False)
     ctx = contextlib.nullcontext() if sharded else parallel.autocast(device, compute_dtype)
-    gen_model = M.from_pretrained(cfg.model_path, dtype=compute_dtype, device=device) if sharded else model
+    if engine is None:  # the built-in engine: the trainer's own module on one device, else a full bf16 copy
+        gen_model = M.from_pretrained(cfg.model_path, dtype=compute_dtype, device=device) if sharded else model
+        engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not sharded), 1
+        log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''})")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * cfg.ppo_epochs * cfg.train_batch_size //
                                cfg.ppo_mini_batch_size)
-    engine = make_engine(cfg.rollout_engine, gen_model, max_num_seqs=cfg.max_num_seqs, log=log)
 
     step = 0
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
@@ -898,48 +945,49 @@ def train(cfg: Config):
     log(f"training {total_steps} steps ({steps_per_epoch} per epoch) on {dims.world_size} x {device.type}; "
         f"{json.dumps(batch_arithmetic(cfg, dims.world_size, len(train_prompts)))}")
 
-    # weight versions: the policy's advances with every update; generation refuses an engine that lags
-    version = {"policy": 0, "engine": 0 if not sharded else -1}
+    # weight versions: the policy's advances with every update; the engine records the version it holds and
+    # refuses to generate with another (rollout.StaleWeightsError)
+    version = {"policy": 0}
+    gen_ctx = ctx if isinstance(engine, TorchEngine) else contextlib.nullcontext()
 
     def sync_weights() -> float:
-        """Push the trainer's weights into the engine's copy (bucketed full tensors); seconds taken."""
-        if version["engine"] == version["policy"]:
+        """Push the trainer's weights into the engine (bucketed full tensors) unless it holds them; -> seconds."""
+        if engine.weights_version == version["policy"]:
+            return 0.0
+        if engine.shares_weights:  # the built-in engine on the trainer's own module
+            engine.weights_version = version["policy"]
             return 0.0
         t0 = time.perf_counter()
-        for bucket in parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=compute_dtype):
-            engine.update_weights(bucket)
-        version["engine"] = version["policy"]
+        buckets = parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=compute_dtype)
+        engine.load_weights(buckets, version["policy"])
         return time.perf_counter() - t0
 
     def rollout(prompts, seed, group_offset, **sampling) -> Trajectories:
-        """Each rank generates and scores its share of the prompts; every rank gets the whole round."""
-        if version["engine"] != version["policy"]:
-            raise RunError(f"rollout engine holds weights version {version['engine']} but the policy is at "
-                           f"{version['policy']}: generating now would train on stale samples (a bug; please report)")
-        k = math.ceil(len(prompts) / dims.world_size)
-        lo = min(dims.rank * k, len(prompts))
+        """Each engine generates and scores its share of the prompts; every rank gets the whole round."""
+        e, lo, hi = engine_share(len(prompts), dims.world_size, gen_tp, dims.rank)
         model.eval()
-        engine.wake_up()
-        with ctx:
-            traj, texts, stats = generate_and_score(engine, tokenizer, scorer, prompts[lo:lo + k], cfg,
-                                                    seed=seed + 100003 * dims.rank, group_offset=group_offset + lo,
-                                                    **sampling)
+        engine.wake_up(["weights"])
+        t_sync = sync_weights()  # after a level-2 sleep the engine holds no weights: a full push every time
+        engine.wake_up(["kv_cache"])
+        with gen_ctx:
+            traj, texts, stats = generate_and_score(engine, tokenizer, scorer, prompts[lo:hi], cfg,
+                                                    seed=seed + 100003 * e, group_offset=group_offset + lo,
+                                                    version=version["policy"], **sampling)
         engine.sleep()
-        parts = parallel.all_gather_objects((traj, texts, stats), dims)
+        parts = engine_results(parallel.all_gather_objects((traj, texts, stats), dims), gen_tp)
         traj = concat_trajectories([p[0] for p in parts if len(p[0])], cfg.max_response_length)
         stats = {key: sum(p[2][key] for p in parts) for key in stats}
-        stats["gen_s"], stats["reward_s"] = parts[0][2]["gen_s"], parts[0][2]["reward_s"]
+        stats["gen_s"], stats["reward_s"], stats["sync_s"] = parts[0][2]["gen_s"], parts[0][2]["reward_s"], t_sync
         return traj, [t for p in parts for t in p[1]], stats
 
     def validate_now(at_step: int) -> dict:
-        t_sync = sync_weights()
-        traj, texts, _ = rollout(val_prompts, seed=cfg.seed + 7919 * (at_step + 1), group_offset=0, n=cfg.val_n,
+        traj, texts, stats = rollout(val_prompts, seed=cfg.seed + 7919 * (at_step + 1), group_offset=0, n=cfg.val_n,
                                  temperature=cfg.val_temperature if cfg.val_do_sample else 0.0,
                                  top_p=cfg.val_top_p, top_k=cfg.val_top_k)
         metrics = validation_metrics(traj)
         if main_rank:
             save_val_generations(traj, texts, val_prompts, tokenizer, cfg, at_step)
-        return {**metrics, "timing/sync_val": t_sync}
+        return {**metrics, "timing/sync_val": stats["sync_s"]}
 
     if val_prompts and cfg.val_before_train and step == 0:
         m = validate_now(step)
@@ -949,7 +997,7 @@ def train(cfg: Config):
     consecutive_skips = 0
     while step < total_steps:
         t_step = time.perf_counter()
-        timing = {"gen": 0.0, "reward": 0.0, "old_logp": 0.0, "ref": 0.0, "update": 0.0, "sync": sync_weights()}
+        timing = {"gen": 0.0, "reward": 0.0, "old_logp": 0.0, "ref": 0.0, "update": 0.0, "sync": 0.0}
         timeouts = [0]
 
         # 1-4: generation rounds until train_batch_size groups with reward variance survive
@@ -960,6 +1008,7 @@ def train(cfg: Config):
             fault_point("gen", step)
             timing["gen"] += stats["gen_s"]
             timing["reward"] += stats["reward_s"]
+            timing["sync"] += stats["sync_s"]
             timeouts[0] += stats["num_timeouts"]
             t0 = time.perf_counter()
             traj.seq_final_reward = traj.seq_reward
@@ -995,8 +1044,6 @@ def train(cfg: Config):
         t0 = time.perf_counter()
         metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, ctx, dims))
         version["policy"] += 1
-        if not sharded:
-            version["engine"] = version["policy"]  # the engine shares the trainer's tensors
         timing["update"] = time.perf_counter() - t0
         step += 1
         fault_point("update", step)

@@ -73,6 +73,17 @@ def test_policy_loss_clip_higher_and_dual_clip_by_hand():
     assert loss1d.item() == pytest.approx((-1 - 1.28 - 0.5 - 1.28) / 4)
 
 
+def test_truncated_importance_weights_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.4, 0.3]]))  # p_old / p_rollout = 1, 0.5, 3 -> capped at 2
+    w = T.truncated_is_weight(old.requires_grad_(), rollout, cap=2.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 0.5, 2.0]) and not w.requires_grad
+    logp = torch.zeros(1, 3)  # ratio 1 everywhere: per-token loss = -A
+    loss, _ = T.policy_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3), 0.2, 0.28, 10.0,
+                            "token-mean", token_weight=w)
+    assert loss.item() == pytest.approx(-(1.0 + 0.5 + 2.0) / 3)
+
+
 def test_policy_loss_gradient_is_zero_where_clipped():
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
     loss, _ = T.policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.2, 0.28,

@@ -1,0 +1,84 @@
+"""A stand-in for the few pieces of vllm that rollout.VLLMEngine touches, backed by model.py on the CPU.
+
+It behaves like the real engine where the trainer depends on it: "dummy" random weights at start, sleep(2)
+destroys the weights, load_weights takes HF-named full tensors, each request is sampled with its own seed,
+and the sampled token's log-prob comes back per position. It records every call, so the CPU tests can check
+the engine's bookkeeping and the trainer's choreography (wake, push, generate, sleep) without a GPU."""
+import importlib.machinery
+import sys
+import types
+from types import SimpleNamespace
+
+import torch
+
+import model as M
+import rollout as R
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class LLM:
+    instances = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.awake = kwargs, [], {"weights", "kv_cache"}
+        self.model = M.Transformer(M.load_config(kwargs["model"])).init_weights(seed=12345).eval()  # "dummy"
+        LLM.instances.append(self)
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        if level == 2:  # weights are discarded, not kept in host memory
+            for p in self.model.parameters():
+                p.data.fill_(float("nan"))
+        self.awake = set()
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+        self.awake |= set(tags)
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, fn):
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=self._load)))
+        return [fn(worker)]
+
+    def _load(self, weights):
+        assert "weights" in self.awake, "load_weights while the weights are asleep"
+        params = dict(self.model.named_parameters())
+        names = []
+        with torch.no_grad():
+            for name, t in weights:
+                params[name].copy_(t)
+                names.append(name)
+        self.calls.append(("load", tuple(names)))
+
+    def generate(self, requests, sampling, use_tqdm=True):
+        assert self.awake == {"weights", "kv_cache"}, f"generate while asleep ({self.awake})"
+        self.calls.append(("generate", len(requests)))
+        engine = R.TorchEngine(self.model, use_cuda_graph=False)
+        outs = []
+        for req, sp in zip(requests, sampling):
+            assert sp.n == 1 and sp.detokenize is False
+            c = engine.generate([req["prompt_token_ids"]], R.SamplingParams(
+                n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
+                max_tokens=sp.max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+                seed=sp.seed))[0][0]
+            logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(c.token_ids, c.logprobs)]
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(c.token_ids), logprobs=logprobs,
+                                                                 finish_reason=c.finish_reason)]))
+        return outs
+
+
+def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
+    """Make `import vllm` return this module's stand-ins for the rest of the test."""
+    module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    module.LLM, module.SamplingParams = LLM, SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setattr(R, "free_device_memory", free_bytes)
+    LLM.instances.clear()
+    return module

@@ -1,0 +1,162 @@
+"""The vLLM engine's bookkeeping on the CPU, through tests/fake_vllm.py (a stand-in backed by model.py):
+prompt sharding over engines and the gather order, weight versions and stale-weight errors, the memory
+cycle, request construction, and the trainer's wake -> push -> generate -> sleep choreography. What needs
+real vLLM (log-prob agreement in bf16, sleep/wake on a GPU) is in tests/test_gpu.py."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+import model as M
+import parallel
+import rollout as R
+import train_dapo as T
+import fake_vllm
+from fake_vllm import install
+
+
+@pytest.mark.parametrize("num,world,gen_tp", [(10, 4, 2), (10, 4, 1), (3, 8, 2), (7, 2, 2), (0, 2, 1)])
+def test_engine_share_covers_prompts_once_in_order(num, world, gen_tp):
+    shares = [R.engine_share(num, world, gen_tp, r) for r in range(world)]
+    for r, (e, lo, hi) in enumerate(shares):
+        assert e == r // gen_tp
+        assert shares[e * gen_tp][1:] == (lo, hi)  # every rank of an engine gets the engine's slice
+    picked = R.engine_results(shares, gen_tp)  # TP rank 0 of each engine, in engine order
+    assert [e for e, _, _ in picked] == list(range(world // gen_tp))
+    assert [i for _, lo, hi in picked for i in range(lo, hi)] == list(range(num))
+
+
+def test_iter_full_weights_yields_every_hf_tensor_once_in_bounded_deterministic_buckets(tmp_path):
+    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    m = M.Transformer(cfg).init_weights(seed=0)
+    M.save_pretrained(m, str(tmp_path))
+    from safetensors import safe_open
+    hf_keys = set()
+    for f in M.safetensors_files(str(tmp_path)):
+        with safe_open(f, "pt") as sf:
+            hf_keys |= set(sf.keys())
+    largest = max(p.numel() * 2 for p in m.parameters())
+    for bucket_bytes in (1, 5000, 20_000, 10**9):
+        buckets = list(parallel.iter_full_weights(m, bucket_bytes, dtype=torch.bfloat16))
+        names = [n for b in buckets for n, _ in b]
+        assert len(names) == len(set(names)) and set(names) == hf_keys  # ours are HF names, each exactly once
+        sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+        assert all(s < bucket_bytes + largest for s in sizes)
+        assert all(s >= bucket_bytes for s in sizes[:-1])
+        assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in b)
+        again = [n for b in parallel.iter_full_weights(m, bucket_bytes) for n, _ in b]
+        assert again == names  # the same order on every call (and so on every rank)
+
+
+def tiny(seed=0):
+    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=50, hidden_size=32, intermediate_size=48,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return M.Transformer(cfg).init_weights(seed=seed, std=0.3).eval()
+
+
+def test_builtin_engine_versions_and_stale_error():
+    trainer, copy = tiny(0), tiny(1)
+    eng = R.TorchEngine(copy, use_cuda_graph=False, shares_weights=False)
+    params = R.SamplingParams(n=2, temperature=0, max_tokens=5)
+    eng.generate([[1, 2, 3]], params, version=0)  # built with version 0
+    with pytest.raises(R.StaleWeightsError, match="holds weights version 0 but the trainer is at 1"):
+        eng.generate([[1, 2, 3]], params, version=1)
+    nbytes = eng.load_weights(parallel.iter_full_weights(trainer, 1000, dtype=torch.float32), version=1)
+    assert nbytes == sum(p.numel() * 4 for p in trainer.parameters()) and eng.weights_version == 1
+    ref = R.TorchEngine(trainer, use_cuda_graph=False).generate([[1, 2, 3]], params)
+    assert eng.generate([[1, 2, 3]], params, version=1)[0][0].token_ids == ref[0][0].token_ids
+
+
+def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
+    from conftest import make_model_dir
+    install(monkeypatch)
+    path = make_model_dir(tmp_path / "m", seed=3)
+    eng = R.VLLMEngine(str(path), max_model_len=128, max_num_seqs=16, seed=7, engine_kwargs={"max_num_seqs": 8})
+    llm = eng.llm
+    kw = llm.kwargs
+    assert (kw["load_format"], kw["skip_tokenizer_init"], kw["enable_sleep_mode"], kw["logprobs_mode"]) == (
+        "dummy", True, True, "processed_logprobs")
+    assert "distributed_executor_backend" not in kw and kw["max_num_seqs"] == 8  # engine_kwargs win
+    assert llm.calls == [("sleep", 2)] and eng.weights_version is None  # asleep until the first rollout
+    prompts = [[5, 6, 7], [8, 9]]
+    params = R.SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=11, stop_token_ids=[2])
+    with pytest.raises(R.StaleWeightsError):  # no weights pushed yet
+        eng.generate(prompts, params, version=0)
+
+    trainer = M.from_pretrained(str(path), dtype=torch.float32)
+    eng.wake_up(["weights"])
+    nbytes = eng.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=0)
+    eng.wake_up(["kv_cache"])
+    out = eng.generate(prompts, params, version=0)
+    loads = [c[1] for c in llm.calls if c[0] == "load"]
+    assert len(loads) > 1 and sorted(n for b in loads for n in b) == sorted(n for n, _ in trainer.named_parameters())
+    assert nbytes == sum(p.numel() * 4 for p in trainer.parameters())
+    assert llm.calls[1] == ("wake_up", ("weights",)) and ("reset_prefix_cache",) in llm.calls
+    assert llm.calls[-2:] == [("wake_up", ("kv_cache",)), ("generate", 6)]  # n=3 x 2 prompts, one request each
+
+    # per prompt, n completions in order; each sample is request i*n+j with seed 11 + i*n + j
+    ref = R.TorchEngine(trainer, use_cuda_graph=False)
+    for i, comps in enumerate(out):
+        assert len(comps) == 3
+        for j, c in enumerate(comps):
+            want = ref.generate([prompts[i]], R.SamplingParams(n=1, temperature=1.0, max_tokens=6,
+                                                                 seed=11 + 3 * i + j, stop_token_ids=[2]))[0][0]
+            assert (c.token_ids, c.finish_reason) == (want.token_ids, want.finish_reason)
+            assert c.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1  # distinct seeds: distinct samples
+
+    eng.sleep()  # level 2: the weights are gone, so the version is too
+    assert llm.calls[-1] == ("sleep", 2) and eng.weights_version is None
+    with pytest.raises(R.StaleWeightsError, match="holds weights version None"):
+        eng.generate(prompts, params, version=0)
+
+
+def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
+    from conftest import make_model_dir
+    free = iter([1 * 2**30, 9 * 2**30, 2 * 2**30])  # before sleep, after sleep (8 GiB released), at wake
+    install(monkeypatch, free_bytes=lambda: next(free))
+    eng = R.VLLMEngine(str(make_model_dir(tmp_path / "m")), max_model_len=64)
+    assert eng.kv_bytes == 8 * 2**30
+    with pytest.raises(RuntimeError, match="needs ~8.0 GiB back .* only 2.0 GiB are free.*gpu_memory_utilization"):
+        eng.wake_up(["weights"])
+
+
+def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(monkeypatch, tiny_dir, tmp_path):
+    from test_train import run_cfg
+    install(monkeypatch)
+    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=2, rollout_engine="vllm", save_freq=-1,
+                    test_freq=1, tis_imp_ratio_cap=2.0))
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    train_rows = [r for r in rows if "train/acc" in r]
+    assert len(train_rows) == 2
+    for r in train_rows:
+        assert r["rollout/logp_mismatch"] < 1e-4  # the engine generated with the trainer's current weights
+        assert r["timing/sync"] > 0
+    calls = fake_vllm.LLM.instances[0].calls
+    # every generate is preceded by wake weights -> pushes -> reset -> wake kv_cache, and followed by sleep(2)
+    gens = [i for i, c in enumerate(calls) if c[0] == "generate"]
+    assert len(gens) >= 5  # val before training, >= 1 round per step, val after each step
+    for i in gens:
+        assert calls[i + 1] == ("sleep", 2)
+        assert calls[i - 1] == ("wake_up", ("kv_cache",)) and calls[i - 2] == ("reset_prefix_cache",)
+        j = i - 3
+        while calls[j][0] == "load":
+            j -= 1
+        assert j < i - 3 and calls[j] == ("wake_up", ("weights",))
+
+
+def test_vllm_config_checks():
+    with pytest.raises(T.ConfigError, match="gen_tp=3 must divide the world size 4"):
+        T.validate(T.Config(gen_tp=3, ppo_mini_batch_size=32), world_size=4, check_files=False)
+    with pytest.raises(T.ConfigError, match="gen_tp=2 needs rollout_engine='vllm'"):
+        T.validate(T.Config(gen_tp=2, rollout_engine="torch"), world_size=2, check_files=False)
+    with pytest.raises(T.ConfigError, match="tis_imp_ratio_cap=0.5"):
+        T.validate(T.Config(tis_imp_ratio_cap=0.5), check_files=False)
+    assert R.resolve_engine("auto", "cpu") == "torch"
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(T.ConfigError, match="vllm is not installed"):
+            T.validate(T.Config(rollout_engine="vllm"), check_files=False)
+    with pytest.raises(ValueError, match="rollout_engine='tpu'"):
+        R.resolve_engine("tpu", "cuda")
