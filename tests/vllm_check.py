@@ -1,0 +1,155 @@
+"""
+The vLLM engine against the trainer and the built-in engine, on GPUs (needs CUDA and vllm). Run by
+tests/test_vllm_gpu.py, or directly:
+
+    torchrun --nproc-per-node 1 tests/vllm_check.py MODEL_DIR [--gen_tp 1] [--out result.json]
+    torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 2     # one engine over 2 GPUs
+    torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 1     # two engines
+
+Prompts: the chat-templated prompts of a parquet file (default: the demo's validation set). Every rank holds the trainer's model (fp32 master weights, bf16 autocast, as on one GPU) and its share of
+world_size / gen_tp engines; prompts are split over engines as the trainer splits them. Checks, each a
+line "PASS|FAIL name: figures", and a JSON of the figures:
+ 1. after a push, the trainer's teacher-forced log-probs of vLLM's samples (T=1) vs vLLM's own:
+    mean |difference| < 0.02
+ 2. greedy: vLLM's first 8 tokens == the built-in engine's (bf16 copy) for most prompts (fraction reported)
+ 3. sleep(2) -> wake -> push of the same weights: greedy outputs == those before sleep, exactly
+ 4. push of changed weights: greedy outputs change
+ 5. generating with a stale version raises StaleWeightsError; bytes and seconds of a push
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import model as M  # noqa: E402
+import parallel  # noqa: E402
+import rollout as R  # noqa: E402
+import train_dapo as T  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--gen_tp", type=int, default=1)
+    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                   "demo", "data", "val.parquet"))  # prompts, verl schema
+    ap.add_argument("--num_prompts", type=int, default=64)
+    ap.add_argument("--max_tokens", type=int, default=128)
+    ap.add_argument("--enforce_eager", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda")  # cpu: a smoke run against tests/fake_vllm.py
+    a = ap.parse_args()
+    dims = parallel.init_distributed(a.device)
+    log = print if dims.is_main else (lambda *x, **k: None)
+    t0 = time.perf_counter()
+    engine = R.VLLMEngine(a.model_dir, gen_tp=a.gen_tp, gpu_memory_utilization=0.3, max_model_len=1024,
+                          max_num_seqs=256, enforce_eager=bool(a.enforce_eager), seed=0)
+    fig = {"engine_start_s": time.perf_counter() - t0, "world_size": dims.world_size, "gen_tp": a.gen_tp}
+    model = M.from_pretrained(a.model_dir, dtype=torch.float32, device=dims.device)
+    tok = M.Tokenizer.from_pretrained(a.model_dir)
+    import data
+    prompts = [p["prompt_ids"] for p in data.load_prompts(a.data, tok, max_prompt_length=512, truncation="left",
+                                                           max_samples=a.num_prompts)]
+    _, lo, hi = R.engine_share(len(prompts), dims.world_size, a.gen_tp, dims.rank)
+    mine = prompts[lo:hi]
+    ctx = parallel.autocast(dims.device, torch.bfloat16 if dims.device.type != "cpu" else torch.float32)
+    results = {}
+
+    def check(name, ok, **figures):
+        oks = parallel.all_gather_objects(bool(ok), dims)
+        results[name] = {"pass": all(oks), **figures}
+        log(f"{'PASS' if all(oks) else 'FAIL'} {name}: {json.dumps(figures)}")
+
+    def push(version, m=model):
+        engine.wake_up(["weights"])
+        t = time.perf_counter()
+        nbytes = engine.load_weights(parallel.iter_full_weights(m, 512 * 2**20, dtype=torch.bfloat16), version)
+        torch.get_device_module(dims.device.type).synchronize()
+        dt = time.perf_counter() - t
+        engine.wake_up(["kv_cache"])
+        return nbytes, dt
+
+    greedy = R.SamplingParams(n=1, temperature=0, max_tokens=a.max_tokens, stop_token_ids=tok.eos_token_ids)
+    nbytes, dt = push(0)
+    pushes = [push(0)[1] for _ in range(3)]  # warm pushes (the first one also wakes the allocator)
+    fig.update(push_gib=nbytes / 2**30, push_s_first=dt, push_s_median=sorted(pushes)[1])
+
+    # 1. teacher-forced log-probs of vLLM's samples
+    sampled = engine.generate(mine, R.SamplingParams(n=4, temperature=1.0, max_tokens=a.max_tokens, seed=1,
+                                                     stop_token_ids=tok.eos_token_ids), version=0)
+    comps = [(p, c) for p, cs in zip(mine, sampled) for c in cs]
+    traj = T.Trajectories(prompt_ids=[p for p, _ in comps], response_ids=[c.token_ids for _, c in comps],
+                          group_ids=torch.zeros(len(comps)), rollout_logp=None,
+                          response_mask=torch.zeros(len(comps), a.max_tokens), finish_reasons=[],
+                          data_sources=[], acc=None, score=None, seq_reward=None)
+    rollout_logp = torch.zeros(len(comps), a.max_tokens)
+    for i, (_, c) in enumerate(comps):
+        traj.response_mask[i, :len(c.token_ids)] = 1
+        rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs)
+    cfg = T.Config(temperature=1.0, logprob_chunk=1024)
+    diffs = []
+    with torch.no_grad(), ctx:
+        for s in range(0, len(comps), 32):
+            idx = list(range(s, min(s + 32, len(comps))))
+            logp, _ = T.sequence_logprobs(model, traj, idx, cfg, with_entropy=False)
+            m = traj.response_mask[idx]
+            diffs.append(((logp.float().cpu() - rollout_logp[idx]).abs() * m).sum() / m.sum())
+    mad = float(sum(diffs) / len(diffs))
+    check("logprobs_vs_trainer", mad < 0.02, mean_abs_diff=mad, mean_logp=float(
+        (rollout_logp * traj.response_mask).sum() / traj.response_mask.sum()))
+
+    # 2. greedy vs the built-in engine on a bf16 copy
+    before = [c[0].token_ids for c in engine.generate(mine, greedy, version=0)]
+    builtin = R.TorchEngine(M.from_pretrained(a.model_dir, dtype=torch.bfloat16, device=dims.device))
+    ref = [c[0].token_ids for c in builtin.generate(mine, greedy)]
+    del builtin
+    same8 = sum(x[:8] == y[:8] for x, y in zip(before, ref))
+    agree = parallel.all_gather_objects((same8, len(mine)), dims)
+    frac = sum(s for s, _ in agree[::a.gen_tp]) / max(1, sum(n for _, n in agree[::a.gen_tp]))
+    prefix = sum(next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) for x, y in zip(before, ref))
+    check("greedy_vs_builtin", frac > 0.5, first8_equal_fraction=frac, mean_common_prefix=prefix / len(mine))
+
+    # 3. sleep -> wake -> push the same weights: identical greedy outputs
+    engine.sleep()
+    try:
+        engine.generate(mine, greedy, version=0)
+        stale_raised = False
+    except R.StaleWeightsError:
+        stale_raised = True
+    push(0)
+    after = [c[0].token_ids for c in engine.generate(mine, greedy, version=0)]
+    check("sleep_wake_push_same", after == before, equal=sum(x == y for x, y in zip(after, before)), of=len(mine))
+
+    # 4. changed weights change the outputs
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * p.float().std().clamp(min=1e-3))
+    push(1)
+    changed = [c[0].token_ids for c in engine.generate(mine, greedy, version=1)]
+    n_changed = sum(x != y for x, y in zip(changed, before))
+    check("changed_weights_change_outputs", n_changed > len(mine) // 2, changed=n_changed, of=len(mine))
+
+    # 5. a stale engine refuses to generate
+    try:
+        engine.generate(mine, greedy, version=2)
+        raised = False
+    except R.StaleWeightsError:
+        raised = True
+    check("stale_version_raises", raised and stale_raised, after_sleep=stale_raised, behind=raised)
+    engine.sleep()
+    results["figures"] = fig
+    log(json.dumps(fig))
+    if dims.is_main and a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    ok = all(r["pass"] for k, r in results.items() if k != "figures")
+    parallel.shutdown()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
