@@ -277,6 +277,10 @@ def bench_hf():
 
 
 def bench_vllm():
+    """One vLLM engine built by nanodapo (rollout.VLLMEngine: sleep mode, processed log-probs, weights pushed
+    from the benchmark model), timed two ways on the same engine: "vLLM" = bare llm.generate (n=1 requests,
+    no log-probs), "nd-vLLM" = the wrapper's generate as the trainer calls it (per-request seeds, sampled
+    log-probs, Completion objects)."""
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533",
                  "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -287,30 +291,46 @@ def bench_vllm():
     if not dist.is_initialized():
         dist.init_process_group(backend="cuda:nccl,cpu:gloo")
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    import parallel
     RES["versions"]["vllm"] = vllm.__version__
     t0 = time.perf_counter()
-    llm = LLM(model=args.ckpt_dir, skip_tokenizer_init=True, distributed_executor_backend="external_launcher",
-              gpu_memory_utilization=args.gpu_mem_util, seed=0, dtype="bfloat16",
-              max_model_len=P + max(Ts) + 64, max_num_seqs=max(Bs))
+    eng = R.VLLMEngine(args.ckpt_dir, gpu_memory_utilization=args.gpu_mem_util, max_model_len=P + max(Ts) + 64,
+                       max_num_seqs=max(Bs), seed=0)
     RES["vllm_init_s"] = round(time.perf_counter() - t0, 1)
     print(f"vLLM {vllm.__version__} engine init {RES['vllm_init_s']} s")
+    eng.wake_up(["weights"])
+    pushes = []
+    for _ in range(4):  # the trainer's sync: bucketed full tensors into load_weights
+        dt, nbytes = timed(lambda: eng.load_weights(parallel.iter_full_weights(model, 512 * 2**20), version=0))
+        pushes.append(dt)
+    RES["vllm_push_s"], RES["vllm_push_GB"] = [round(x, 4) for x in pushes], round(nbytes / 1e9, 3)
+    print(f"weight push {nbytes / 1e9:.2f} GB: {RES['vllm_push_s']} s (first, then warm)")
+    eng.wake_up(["kv_cache"])
     warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS[Bs[0]][:4]], warm, use_tqdm=False)
+    eng.llm.generate([{"prompt_token_ids": p} for p in PROMPTS[Bs[0]][:4]], warm, use_tqdm=False)
     for T in Ts:
         for B in Bs:
             sp = SamplingParams(temperature=1.0, max_tokens=T, ignore_eos=True, detokenize=False)
+            ours = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, seed=0)
             ps = [{"prompt_token_ids": p} for p in PROMPTS[B]]
-            times = []
+            bare, wrapped = [], []
             for _ in range(args.repeats if T <= 512 else args.repeats_long):
-                dt, outs = timed(lambda: llm.generate(ps, sp, use_tqdm=False))
+                dt, outs = timed(lambda: eng.llm.generate(ps, sp, use_tqdm=False))
                 assert sum(len(o.outputs[0].token_ids) for o in outs) == B * T
-                times.append(dt)
+                bare.append(dt)
+                dt, outs = timed(lambda: eng.generate(PROMPTS[B], ours, version=0))
+                assert sum(len(c[0].token_ids) for c in outs) == B * T
+                wrapped.append(dt)
             r = row(B, T)
-            r["vllm_wall_s"] = [round(x, 3) for x in times]
-            r["vllm_tok_s"] = round(B * T / statistics.median(times), 1)
-            print(f"vllm   B={B:4d} T={T:5d}: {r['vllm_tok_s']:10.0f} tok/s  (calls {r['vllm_wall_s']} s)")
+            r["vllm_wall_s"], r["ndvllm_wall_s"] = [round(x, 3) for x in bare], [round(x, 3) for x in wrapped]
+            r["vllm_tok_s"] = round(B * T / statistics.median(bare), 1)
+            r["ndvllm_tok_s"] = round(B * T / statistics.median(wrapped), 1)
+            print(f"vllm   B={B:4d} T={T:5d}: {r['vllm_tok_s']:10.0f} tok/s bare, {r['ndvllm_tok_s']:10.0f} through "
+                  f"rollout.VLLMEngine  (calls {r['vllm_wall_s']} / {r['ndvllm_wall_s']} s)")
             dump()
+    eng.sleep()
 
 
 # -----------------------------------------------------------------------------
@@ -355,15 +375,15 @@ print(f"\n=== rollout tokens/s: built-in = rollout.TorchEngine (CUDA graphs); {R
       f"{args.repeats_long} for max_tokens > 512 (transformers: {args.hf_repeats}) ===")
 print(f"copy bandwidth {RES['copy_bw_GBps']:.0f} GB/s (read+write), weights {weight_bytes / 1e9:.2f} GB, "
       f"KV {kv_per_token // 1024} KiB/token")
-hdr = (f"{'B':>4} {'max_tok':>7} | {'built-in':>9} {'1st call':>9} {'transf.':>9} {'vLLM':>9} {'limit':>9} | "
-       f"{'b/HF':>6} {'b/vLLM':>6} {'b/limit':>7}")
+hdr = (f"{'B':>4} {'max_tok':>7} | {'built-in':>9} {'1st call':>9} {'transf.':>9} {'vLLM':>9} {'nd-vLLM':>9} "
+       f"{'limit':>9} | {'b/HF':>6} {'b/vLLM':>6} {'nd/vLLM':>7} {'b/limit':>7}")
 print(hdr)
 print("-" * len(hdr))
 for r in RES["rows"].values():
-    b, h, v, lim = (r.get(k) for k in ("torch_tok_s", "hf_tok_s", "vllm_tok_s", "limit_tok_s"))
+    b, h, v, nd, lim = (r.get(k) for k in ("torch_tok_s", "hf_tok_s", "vllm_tok_s", "ndvllm_tok_s", "limit_tok_s"))
     print(f"{r['B']:>4} {r['max_tokens']:>7} | {fmt(b, '9.0f')} {fmt(r.get('torch_first_call_tok_s'), '9.0f')} "
-          f"{fmt(h, '9.0f')} {fmt(v, '9.0f')} {fmt(lim, '9.0f')} | {fmt(ratio(b, h), '6.2f')} "
-          f"{fmt(ratio(b, v), '6.2f')} {fmt(ratio(b, lim), '7.2f')}")
+          f"{fmt(h, '9.0f')} {fmt(v, '9.0f')} {fmt(nd, '9.0f')} {fmt(lim, '9.0f')} | {fmt(ratio(b, h), '6.2f')} "
+          f"{fmt(ratio(b, v), '6.2f')} {fmt(ratio(nd, v), '7.2f')} {fmt(ratio(b, lim), '7.2f')}")
 if RES["diagnostics"]:
     print("\nbuilt-in engine, ms per decode step (graph = one CUDA-graph replay of the model step, per cache span)")
     for d in RES["diagnostics"].values():
@@ -371,6 +391,10 @@ if RES["diagnostics"]:
               f"loop {d['loop_ms_per_step']:6.3f} graph {d['graph_ms_by_span']} sample {d['sample_ms']:6.3f} "
               f"floor {d['floor_ms_per_step']:6.3f}")
 print("errors:", RES["errors"] or "none")
+head = RES["rows"].get(f"B{max(Bs)}_T{min(Ts)}", {})
+hb, hv, hn = (head.get(k) for k in ("torch_tok_s", "vllm_tok_s", "ndvllm_tok_s"))
+print(f"headline B={max(Bs)} max_tokens={min(Ts)}: built-in / bare vLLM = {fmt(ratio(hb, hv), '5.2f')} (goal >= 0.5), "
+      f"rollout.VLLMEngine / bare vLLM = {fmt(ratio(hn, hv), '5.2f')} (goal >= 0.9)")
 if "vllm" in RES["versions"]:
     import torch.distributed as dist
     if dist.is_initialized():
