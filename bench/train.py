@@ -1,0 +1,497 @@
+"""
+Actor-update throughput: nanodapo's packed update against transformers on the same sequences, on a
+random-init Qwen2.5-1.5B-shaped model, with MFU against a bf16 matmul rate measured in the same run.
+
+    PYTHONUNBUFFERED=1 python3 bench/train.py --out $OUT/train.json                      # 1xH200, ~4 min
+    PYTHONUNBUFFERED=1 python3 bench/train.py --max-response 4096 --out $OUT/train4k.json  # longer tail
+    python3 bench/train.py --tiny --out /tmp/train_tiny.json                             # CPU smoke test, ~1 min
+
+Workload (the same token ids for every row): N sequences of a 256-token prompt + a response whose length
+is lognormal (median --resp-median 768, sigma --resp-sigma 0.9) clipped to [32, --max-response 2048],
+drawn until they hold --step-tokens (98,304) tokens; random token ids. One optimizer step = all of them:
+micro-batches of at most --token-budget (16,384) tokens from data.balanced_micro_batches (the trainer's
+use_dynamic_bsz split), forward + backward of each, then one AdamW step (lr 1e-6, weight decay 0.1).
+Gradient checkpointing per decoder block everywhere. A step is timed with torch.cuda.synchronize() and a
+host clock (the trainer's update has host syncs of its own); --warmup (2) untimed steps, then the median
+of --repeats (4) timed steps.
+
+Rows:
+  nanodapo update_policy  train_dapo.update_policy as the trainer calls it on one GPU: fp32 master weights,
+                          bf16 autocast, packed forward (varlen attention) with target_ids: chunked fp32
+                          log-probs AND entropy (the trainer always computes it), clip-higher token-mean
+                          policy loss, grad-norm clipping (one host sync per parameter), AdamW.  [headline]
+  nanodapo bare           the model alone: packed forward with target_ids (chunked log-probs, no entropy),
+                          loss = token-mean of -logp over response tokens, backward, AdamW.
+  transformers            AutoModelForCausalLM from the same config and weights, sdpa attention,
+                          gradient_checkpointing_enable(use_reentrant=False), each micro-batch right-padded
+                          to its longest sequence with an attention mask, labels = response tokens (-100
+                          elsewhere), loss = out.loss weighted to a token-mean over the step, backward, AdamW.
+  "autocast" = fp32 weights + torch.autocast(bf16) (what the trainer and HF Trainer(bf16=True) do);
+  "bf16" = bf16 weights, gradients and AdamW states (the ceiling without casts; not what the trainer runs).
+
+tokens/s counts real tokens (prompt + response; padding excluded) over the median step time.
+FLOPs per step (model FLOPs, the same formula for every row, on real tokens):
+  6 * (N_blocks + V*H) * tokens + 6 * L * n_heads * head_dim * sum_i n_i^2
+  N_blocks = parameters of the decoder blocks + final norm (non-embedding); V*H = the output head, a matmul
+  of every token even though it is tied to the input embedding (the input lookup is free); the last term is
+  causal attention (QK^T and AV, 2 * 2 * n^2 * d per head forward, halved by the causal mask, x3 for
+  forward+backward). MFU = FLOPs / step time / peak, peak = median rate of a bf16 8192^3 torch.matmul
+  (random data, CUDA events) measured at the start of this run. Also given: MFU over non-embedding
+  parameters only (6 * N_blocks, the brief's strict formula) and, for nanodapo rows, HFU = hardware FLOPs
+  counting what checkpointing recomputes: one more forward of every block (2 * N_blocks * tokens + the
+  forward attention term) and of the output head (the chunked log-prob is checkpointed too: 2 * V*H * tokens).
+Before timing, transformers and nanodapo are checked to compute the same per-token log-probs on the same
+weights (fp32, a few short sequences): the relative difference is printed.
+Headline (last line): nanodapo update_policy tokens/s over transformers (autocast) tokens/s, and the MFU
+of each. Writes every number to --out (JSON; default $OUT/train.json, or ./bench_train.json without $OUT).
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/
+
+import torch
+
+import data
+import model as M
+import parallel
+import train_dapo as T
+
+p = argparse.ArgumentParser()
+p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
+p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(M.KNOWN_CONFIGS))
+p.add_argument("--prompt-len", type=int, default=256)
+p.add_argument("--max-response", type=int, default=2048)
+p.add_argument("--resp-median", type=float, default=768.0)
+p.add_argument("--resp-sigma", type=float, default=0.9)
+p.add_argument("--step-tokens", type=int, default=98304, help="tokens per optimizer step (all micro-batches)")
+p.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch (ppo_max_token_len_per_gpu)")
+p.add_argument("--logprob-chunk", type=int, default=1024)
+p.add_argument("--warmup", type=int, default=2)
+p.add_argument("--repeats", type=int, default=4)
+p.add_argument("--rows", default="update,bare,bare_bf16,hf,hf_bf16",
+               help="comma list: update (nanodapo update_policy, autocast), bare (nanodapo, autocast), bare_bf16, "
+                    "hf (transformers, autocast), hf_bf16")
+p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--out", default=None)
+args = p.parse_args()
+if args.tiny:
+    args.prompt_len, args.max_response, args.resp_median = 16, 64, 24.0
+    args.step_tokens, args.token_budget, args.logprob_chunk = 1024, 256, 64
+    args.warmup, args.repeats, args.peak_n = 1, 2, 512
+device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+cuda = device.type == "cuda"
+if cuda:
+    torch.cuda.set_device(device.index or 0)
+OUT = args.out or os.path.join(os.environ.get("OUT") or ".", "train.json" if os.environ.get("OUT") else
+                               "bench_train.json")
+RES = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "rows": {}, "errors": {}}
+
+
+def dump():
+    os.makedirs(os.path.dirname(os.path.abspath(OUT)), exist_ok=True)
+    with open(OUT, "w") as f:
+        json.dump(RES, f, indent=1, default=str)
+
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+
+
+# -----------------------------------------------------------------------------
+# environment and the measured bf16 matmul peak
+
+RES["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__}
+try:
+    import transformers
+    RES["versions"]["transformers"] = transformers.__version__
+except ImportError:
+    transformers = None
+RES["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+print(f"versions {RES['versions']}, device {RES['device']}")
+
+
+def measure_peak(n: int, reps: int = 20) -> float:
+    """Median FLOP/s of a bf16 n^3 matmul on random data (CUDA events on GPU, host clock on CPU)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        torch.matmul(a, b, out=c)
+    sync()
+    times = []
+    for _ in range(reps if cuda else 3):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            torch.matmul(a, b, out=c)
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / 1e3)
+        else:
+            t = time.perf_counter()
+            torch.matmul(a, b, out=c)
+            times.append(time.perf_counter() - t)
+    assert torch.isfinite(c).all()
+    return 2 * n ** 3 / statistics.median(times)
+
+
+PEAK = measure_peak(args.peak_n)
+RES["peak_bf16_matmul_TFLOPs"] = round(PEAK / 1e12, 2)
+print(f"bf16 matmul {args.peak_n}^3: {PEAK / 1e12:.1f} TFLOP/s (median)")
+
+# -----------------------------------------------------------------------------
+# the model config and the workload
+
+if args.tiny:
+    cfg = M.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)
+else:
+    cfg = M.ModelConfig.from_hf(M.KNOWN_CONFIGS[args.shape])
+rng = random.Random(args.seed)
+resp_lens = []
+while sum(args.prompt_len + r for r in resp_lens) < args.step_tokens:
+    r = int(round(math.exp(rng.gauss(math.log(args.resp_median), args.resp_sigma))))
+    resp_lens.append(max(32 if not args.tiny else 4, min(args.max_response, r)))
+g = torch.Generator().manual_seed(args.seed)
+prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in resp_lens]
+responses = [torch.randint(0, cfg.vocab_size, (r,), generator=g).tolist() for r in resp_lens]
+seq_lens = [args.prompt_len + r for r in resp_lens]
+NTOK = sum(seq_lens)
+RESP_TOK = sum(resp_lens)
+MBS = data.balanced_micro_batches(seq_lens, args.token_budget)  # the trainer's use_dynamic_bsz split
+R = max(resp_lens)
+RES["workload"] = {"sequences": len(seq_lens), "tokens": NTOK, "response_tokens": RESP_TOK,
+                   "micro_batches": len(MBS), "micro_batch_tokens": [sum(seq_lens[i] for i in mb) for mb in MBS],
+                   "response_len_median": statistics.median(resp_lens), "response_len_mean": RESP_TOK / len(resp_lens),
+                   "response_len_max": R, "clipped_at_max": sum(r == args.max_response for r in resp_lens)}
+print(f"workload: {RES['workload']}")
+
+# FLOPs (see the docstring)
+H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+HEAD = V * H
+N_BLOCKS = cfg.num_params() - V * H * (1 if cfg.tie_word_embeddings else 2)  # decoder blocks + final norm
+ATTN_FWD = 2 * L * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lens)  # causal, forward
+FLOPS_MODEL = 6 * (N_BLOCKS + HEAD) * NTOK + 3 * ATTN_FWD
+FLOPS_NONEMB = 6 * N_BLOCKS * NTOK + 3 * ATTN_FWD
+FLOPS_HW_NANO = FLOPS_MODEL + 2 * N_BLOCKS * NTOK + ATTN_FWD + 2 * HEAD * NTOK  # + recompute (blocks, head)
+RES["flops"] = {"N_blocks": N_BLOCKS, "head_VH": HEAD, "model_per_step": FLOPS_MODEL,
+                "nonemb_per_step": FLOPS_NONEMB, "hardware_nanodapo_per_step": FLOPS_HW_NANO,
+                "formula": "6*(N_blocks + V*H)*tokens + 6*L*heads*head_dim*sum(n_i^2)/2*... see docstring"}
+print(f"params: blocks {N_BLOCKS / 1e9:.3f} B + head {HEAD / 1e9:.3f} B; model FLOPs/step {FLOPS_MODEL / 1e12:.1f} T")
+dump()
+
+
+def build_traj():
+    """The workload as train_dapo.Trajectories, n = 1 (one sequence per group): what update_policy consumes."""
+    Tn = len(resp_lens)
+    mask = torch.zeros(Tn, R)
+    for i, r in enumerate(resp_lens):
+        mask[i, :r] = 1
+    adv = torch.randn(Tn, generator=torch.Generator().manual_seed(args.seed + 1))
+    z = torch.zeros(Tn)
+    return T.Trajectories(prompt_ids=prompts, response_ids=responses, group_ids=torch.arange(Tn),
+                          rollout_logp=torch.zeros(Tn, R), response_mask=mask, finish_reasons=["length"] * Tn,
+                          data_sources=["bench"] * Tn, acc=z, score=z, seq_reward=z, seq_final_reward=z, adv=adv)
+
+
+def trainer_cfg():
+    Tn = len(resp_lens)
+    return T.Config(n=1, train_batch_size=Tn, gen_batch_size=Tn, ppo_mini_batch_size=Tn, use_dynamic_bsz=True,
+                    ppo_max_token_len_per_gpu=args.token_budget, max_prompt_length=args.prompt_len,
+                    max_response_length=args.max_response, logprob_chunk=args.logprob_chunk, lr=1e-6,
+                    weight_decay=0.1, grad_clip=1.0, gradient_checkpointing=True, temperature=1.0)
+
+
+def nano_packed():
+    """Per micro-batch, on the device: packed inputs, targets and the response-token mask (as sequence_logprobs)."""
+    out = []
+    for mb in MBS:
+        seqs = [prompts[i] + responses[i] for i in mb]
+        ids, pos, batch = M.pack_sequences([s[:-1] for s in seqs], device)
+        tgt = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
+        m = torch.zeros(ids.shape[1], device=device)
+        for j, i in enumerate(mb):  # response token k of doc j is target (prompt_len - 1 + k)
+            s = int(batch.cu_seqlens[j]) + args.prompt_len - 1
+            m[s:s + resp_lens[i]] = 1
+        out.append((ids, pos, batch, tgt, m[None]))
+    return out
+
+
+def hf_padded():
+    """Per micro-batch: right-padded input ids, attention mask, labels (response tokens, -100 elsewhere)."""
+    out, padded = [], 0
+    for mb in MBS:
+        Lmax = max(seq_lens[i] for i in mb)
+        ids = torch.zeros(len(mb), Lmax, dtype=torch.long)
+        am = torch.zeros(len(mb), Lmax, dtype=torch.long)
+        lab = torch.full((len(mb), Lmax), -100, dtype=torch.long)
+        for j, i in enumerate(mb):
+            s = prompts[i] + responses[i]
+            ids[j, :len(s)] = torch.tensor(s)
+            am[j, :len(s)] = 1
+            lab[j, args.prompt_len:len(s)] = torch.tensor(responses[i])
+        padded += len(mb) * Lmax
+        out.append((ids.to(device), am.to(device), lab.to(device), int((lab != -100).sum())))
+    return out, padded
+
+
+# -----------------------------------------------------------------------------
+# timing
+
+
+def time_steps(name, step_fn, model_params, extra=None):
+    """warmup + repeats optimizer steps; record the row."""
+    row = {"name": name, **(extra or {})}
+    try:
+        for _ in range(args.warmup):
+            step_fn()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.repeats):
+            sync()
+            t = time.perf_counter()
+            loss = step_fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        dt = statistics.median(times)
+        row.update(step_s=[round(x, 4) for x in times], median_step_s=round(dt, 4), tokens_per_s=round(NTOK / dt, 1),
+                   MFU=round(FLOPS_MODEL / dt / PEAK, 4), MFU_nonemb=round(FLOPS_NONEMB / dt / PEAK, 4),
+                   loss=float(loss), finite_params=all(torch.isfinite(q).all().item() for q in model_params))
+        if cuda:
+            row["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        print(f"{name:28s} step {dt:7.3f} s  {row['tokens_per_s']:10.0f} tok/s  MFU {row['MFU']:.3f}  "
+              f"(steps {row['step_s']}, peak {row.get('peak_alloc_GiB')} GiB, loss {row['loss']:.4f})", flush=True)
+    except Exception as e:  # an OOM or a failure costs one row, not the table
+        traceback.print_exc()
+        RES["errors"][name] = repr(e)[:2000]
+        row["error"] = repr(e)[:500]
+    RES["rows"][name] = row
+    dump()
+    return row
+
+
+def free():
+    import gc
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+# -----------------------------------------------------------------------------
+# nanodapo rows
+
+ctx_auto = parallel.autocast(device, torch.bfloat16)  # a null context on the CPU (the trainer runs fp32 there)
+t0 = time.perf_counter()
+with torch.device(device):
+    nano = M.Transformer(cfg)
+nano.init_weights(seed=args.seed)
+nano.gradient_checkpointing = True
+RES["build_s"] = round(time.perf_counter() - t0, 1)
+print(f"nanodapo model: {sum(q.numel() for q in nano.parameters()) / 1e9:.3f} B params fp32 in {RES['build_s']} s")
+state0 = {k: v.detach().to("cpu", copy=True) for k, v in nano.state_dict().items()}  # the same weights for all rows
+rows = args.rows.split(",")
+
+
+def reset_weights(m):
+    with torch.no_grad():
+        for k, v in m.state_dict().items():
+            v.copy_(state0[k])
+
+
+def bare_step_fn(m, opt, packed, ctx):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, pos, batch, tgt, mask in packed:
+            with ctx:
+                logp, _ = m(ids, pos, batch, target_ids=tgt, logprob_chunk=args.logprob_chunk)
+            loss = -(logp.float() * mask).sum() / RESP_TOK
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        return total
+    return step
+
+
+if "update" in rows:
+    traj, tcfg = build_traj(), trainer_cfg()
+    dims = parallel.ParallelDims(world_size=1, rank=0, local_rank=0, tp=1, device=device)
+    opt = torch.optim.AdamW(nano.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
+    sched = T.make_scheduler(opt, tcfg, 10**6)
+    last = {}
+
+    def update_step():
+        last.update(T.update_policy(nano, opt, sched, traj, tcfg, ctx_auto, dims))
+        return last.get("actor/pg_loss", float("nan"))
+    r = time_steps("nanodapo update_policy", update_step, list(nano.parameters()),
+                   {"impl": "nanodapo", "loop": "train_dapo.update_policy", "precision": "fp32 master + bf16 autocast"})
+    r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
+    r["metrics_last_step"] = {k: v for k, v in last.items() if isinstance(v, (int, float))}
+    del opt, sched
+    nano.zero_grad(set_to_none=True)
+    reset_weights(nano)
+    free()
+
+if "bare" in rows:
+    opt = torch.optim.AdamW(nano.parameters(), lr=1e-6, weight_decay=0.1)
+    r = time_steps("nanodapo bare", bare_step_fn(nano, opt, nano_packed(), ctx_auto), list(nano.parameters()),
+                   {"impl": "nanodapo", "loop": "forward(target_ids) + token-mean -logp + backward + AdamW",
+                    "precision": "fp32 master + bf16 autocast"})
+    r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
+    del opt
+    nano.zero_grad(set_to_none=True)
+    reset_weights(nano)
+    free()
+
+if "bare_bf16" in rows:
+    nb = copy.deepcopy(nano).to(torch.bfloat16)
+    nb.gradient_checkpointing = True
+    opt = torch.optim.AdamW(nb.parameters(), lr=1e-6, weight_decay=0.1)
+    import contextlib
+    r = time_steps("nanodapo bare bf16", bare_step_fn(nb, opt, nano_packed(), contextlib.nullcontext()),
+                   list(nb.parameters()), {"impl": "nanodapo", "loop": "bare", "precision": "pure bf16"})
+    r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
+    del opt, nb
+    free()
+
+# -----------------------------------------------------------------------------
+# transformers rows
+
+
+def build_hf():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    d = cfg.to_hf(torch.float32)
+    hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    hf_cfg.use_cache = False
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(nano.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if "lm_head.weight" in missing:  # tied: must be the embedding itself
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(), "lm_head not tied"
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.config.use_cache = False
+    return hf.train()
+
+
+def same_function_check(hf):
+    """fp32, no autocast: nanodapo's packed per-token log-probs vs transformers' padded logits -> log_softmax."""
+    n_seq = min(3, len(prompts))
+    seqs = [(prompts[i] + responses[i])[:min(seq_lens[i], 300)] for i in range(n_seq)]
+    with torch.no_grad():
+        ids, pos, batch = M.pack_sequences([s[:-1] for s in seqs], device)
+        tgt = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
+        ours, _ = nano(ids, pos, batch, target_ids=tgt)
+        theirs = []
+        for s in seqs:
+            x = torch.tensor(s, device=device)[None]
+            lg = hf(input_ids=x, use_cache=False).logits.float()[0, :-1]
+            theirs.append(torch.log_softmax(lg, -1).gather(-1, x[0, 1:, None])[:, 0])
+        theirs = torch.cat(theirs)
+    rel = ((ours[0] - theirs).norm() / theirs.norm()).item()
+    RES["same_function_rel_err_fp32"] = rel
+    print(f"same weights, fp32: nanodapo packed log-probs vs transformers, relative L2 difference {rel:.2e} "
+          f"({tgt.shape[1]} tokens)")
+    return rel
+
+
+def hf_step_fn(hf, opt, batches, ctx):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, am, lab, n_lab in batches:
+            with ctx:
+                out = hf(input_ids=ids, attention_mask=am, labels=lab, use_cache=False)
+            loss = out.loss.float() * (n_lab / RESP_TOK)  # out.loss: mean over this micro-batch's labels
+            loss.backward()
+            total += loss.detach()
+            del out
+        opt.step()
+        return total
+    return step
+
+
+if any(r in rows for r in ("hf", "hf_bf16")):
+    hf = None
+    try:
+        cuda_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        hf = build_hf()
+        same_function_check(hf)
+        torch.backends.cuda.matmul.allow_tf32 = cuda_tf32
+    except Exception as e:
+        traceback.print_exc()
+        RES["errors"]["hf_build"] = repr(e)[:2000]
+    del nano
+    free()
+    if hf is not None:
+        batches, padded = hf_padded()
+        pad_info = {"padded_tokens": padded, "padding_fraction": round(1 - NTOK / padded, 4)}
+        RES["hf_padding"] = pad_info
+        print(f"transformers micro-batches: {padded} padded tokens for {NTOK} real ({pad_info['padding_fraction']:.1%} "
+              "padding)")
+        if "hf" in rows:
+            opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, weight_decay=0.1)
+            time_steps("transformers", hf_step_fn(hf, opt, batches, ctx_auto), list(hf.parameters()),
+                       {"impl": "transformers", "loop": "padded forward(labels) + backward + AdamW",
+                        "precision": "fp32 master + bf16 autocast", "attn": "sdpa", **pad_info})
+            del opt
+            hf.zero_grad(set_to_none=True)
+            free()
+        if "hf_bf16" in rows:
+            hf = hf.to(torch.bfloat16)
+            opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, weight_decay=0.1)
+            import contextlib
+            time_steps("transformers bf16", hf_step_fn(hf, opt, batches, contextlib.nullcontext()),
+                       list(hf.parameters()), {"impl": "transformers", "loop": "padded", "precision": "pure bf16",
+                                               "attn": "sdpa", **pad_info})
+            del opt
+        del hf
+        free()
+else:
+    del nano
+    free()
+
+# -----------------------------------------------------------------------------
+# the table; the headline last
+
+print(f"\n=== actor update, {RES['device']}, {cfg.num_params() / 1e9:.2f} B params, {len(seq_lens)} sequences / "
+      f"{NTOK} tokens per optimizer step in {len(MBS)} micro-batches of <= {args.token_budget} tokens, gradient "
+      f"checkpointing; median of {args.repeats} steps after {args.warmup}; peak {PEAK / 1e12:.0f} TFLOP/s bf16 "
+      f"matmul (measured) ===")
+print(f"{'row':28s} {'precision':28s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'MFU nonemb':>10s} {'HFU':>6s} "
+      f"{'peak GiB':>8s}")
+for r in RES["rows"].values():
+    if "median_step_s" not in r:
+        print(f"{r['name']:28s} failed: {r.get('error', '')[:80]}")
+        continue
+    hfu = f"{r['HFU']:.3f}" if r.get("HFU") is not None else "-"
+    print(f"{r['name']:28s} {r.get('precision', ''):28s} {r['median_step_s']:8.3f} {r['tokens_per_s']:10.0f} "
+          f"{r['MFU']:6.3f} {r['MFU_nonemb']:10.3f} {hfu:>6s} {str(r.get('peak_alloc_GiB', '-')):>8s}")
+print("errors:", RES["errors"] or "none")
+a, b = RES["rows"].get("nanodapo update_policy", {}), RES["rows"].get("transformers", {})
+if "tokens_per_s" in a and "tokens_per_s" in b:
+    RES["headline"] = {"update_over_transformers": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
+                       "nanodapo_MFU": a["MFU"], "transformers_MFU": b["MFU"]}
+    dump()
+    print(f"HEADLINE nanodapo update_policy / transformers (both fp32+bf16 autocast) = "
+          f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s; MFU nanodapo {a['MFU']:.3f}, transformers "
+          f"{b['MFU']:.3f} (goal >= 0.5)")
+else:
+    dump()
+    print("HEADLINE not available (a row failed; see errors)")
