@@ -118,8 +118,11 @@ def trl_worker():
     import datasets
     import trl
     from trl import GRPOConfig, GRPOTrainer
-    sys.path.insert(0, HERE)
-    from hash_reward import trl_reward
+    import importlib.util  # bench/ stays off sys.path: its train.py / step.py / sync.py would shadow real modules
+    spec = importlib.util.spec_from_file_location("hash_reward", os.path.join(HERE, "hash_reward.py"))
+    hash_reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hash_reward)
+    trl_reward = hash_reward.trl_reward
 
     import model as M
     res = {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
