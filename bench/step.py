@@ -37,7 +37,9 @@ What runs (defaults; all are flags):
             the phases timing/gen, reward, old_logp, update, sync.
   TRL       GRPOTrainer + GRPOConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, num_generations=G,
             max_completion_length=R, scale_rewards="group", num_iterations=1) in a child process;
-            trl      use_vllm=False: transformers generate (sdpa);
+            trl      use_vllm=False: transformers generate (sdpa); fp32 weights + bf16 autocast (accelerate's
+                     bf16 wraps forward in autocast, generation included), as nanodapo on one GPU;
+            trl_bf16 the same with the model loaded in bf16 (pure bf16 weights and AdamW, common in TRL recipes);
             trl_vllm use_vllm=True, vllm_mode="colocate" (TRL's defaults otherwise: vllm_gpu_memory_utilization 0.3,
                      importance-sampling correction on, which adds one old-log-prob forward per step).
             Step time = wall time between consecutive on_step_end callbacks (torch.cuda.synchronize() first);
@@ -64,7 +66,7 @@ HERE = os.path.join(ROOT, "bench")
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model, short responses, 2 steps, on the CPU")
 p.add_argument("--sides", default="nanodapo_torch,trl",
-               help="comma list, run in this order: nanodapo_torch, nanodapo_vllm, trl, trl_vllm")
+               help="comma list, run in this order: nanodapo_torch, nanodapo_vllm, trl, trl_bf16, trl_vllm")
 p.add_argument("--work", default="/tmp/nanodapo_step", help="model, prompts, configs, logs, run outputs")
 p.add_argument("--shape", default="qwen2.5-1.5b")
 p.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
@@ -367,18 +369,18 @@ def nanodapo_side(name, engine):
     return side
 
 
-def trl_side(name, use_vllm):
+def trl_side(name, use_vllm, dtype):
     result = os.path.join(args.work, f"{name}_result.json")
     if os.path.isfile(result):
         os.remove(result)
     cmd = [sys.executable, os.path.join(HERE, "step.py"), "--trl-worker", result, "--use-vllm", str(int(use_vllm)),
            "--work", args.work, "--prompts", str(args.prompts), "--n", str(args.n), "--prompt-len", str(args.prompt_len),
            "--response-len", str(args.response_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
-           "--lr", str(args.lr), "--trl-vllm-gpu-mem", str(args.trl_vllm_gpu_mem), "--trl-dtype", args.trl_dtype]
+           "--lr", str(args.lr), "--trl-vllm-gpu-mem", str(args.trl_vllm_gpu_mem), "--trl-dtype", dtype]
     if args.tiny:
         cmd.append("--tiny")
     rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=VLLM_ENV, timeout=side_timeout())
-    side = {"impl": "trl", "engine": "vllm colocate" if use_vllm else "transformers generate", "rc": rc,
+    side = {"impl": "trl", "engine": ("vllm colocate" if use_vllm else "transformers generate") + f", {dtype}", "rc": rc,
             "process_wall_s": round(wall, 1)}
     if rc != 0 or not os.path.isfile(result):
         side["error"] = f"rc {rc}; log tail:\n" + "\n".join(tail[-25:])
@@ -408,7 +410,7 @@ try:
 except Exception:
     pass
 sides = [s for s in args.sides.split(",") if s]
-unknown = set(sides) - {"nanodapo_torch", "nanodapo_vllm", "trl", "trl_vllm"}
+unknown = set(sides) - {"nanodapo_torch", "nanodapo_vllm", "trl", "trl_bf16", "trl_vllm"}
 if unknown:
     sys.exit(f"unknown sides {sorted(unknown)}")
 prepare()
@@ -422,7 +424,7 @@ for s in sides:
         if s.startswith("nanodapo"):
             RES["sides"][s] = nanodapo_side(s, "vllm" if s.endswith("vllm") else "torch")
         else:
-            RES["sides"][s] = trl_side(s, s.endswith("vllm"))
+            RES["sides"][s] = trl_side(s, s.endswith("vllm"), "bfloat16" if s == "trl_bf16" else args.trl_dtype)
     except Exception as e:
         import traceback
         traceback.print_exc()
@@ -447,7 +449,7 @@ def f(x, spec="8.2f"):
 P, G, Rl = args.prompts, args.n, args.response_len
 print(f"\n=== one DAPO step: {P} prompts x {G} responses, prompt {args.prompt_len} + response <= {Rl} tokens, "
       f"micro-batch {args.micro_batch}, {args.steps} steps, median of steps 2..{args.steps} (s) ===")
-print(f"{'side':16s} {'engine':24s} {'step':>8s} {'gen':>8s} {'update':>8s} {'sync':>8s} {'resp len':>8s} "
+print(f"{'side':16s} {'engine':34s} {'step':>8s} {'gen':>8s} {'update':>8s} {'sync':>8s} {'resp len':>8s} "
       f"{'1st step':>8s} {'peak GiB':>8s}")
 for name, s in RES["sides"].items():
     if "median" not in s:
@@ -455,13 +457,14 @@ for name, s in RES["sides"].items():
         continue
     m = s["median"]
     lens = [x for x in s.get("response_length_mean", []) if x is not None]
-    print(f"{name:16s} {s['engine']:24s} {f(m.get('step'))} {f(m.get('gen'))} {f(m.get('update'))} "
+    print(f"{name:16s} {s['engine']:34s} {f(m.get('step'))} {f(m.get('gen'))} {f(m.get('update'))} "
           f"{f(m.get('sync'), '8.3f')} {f(statistics.mean(lens) if lens else None, '8.1f')} "
           f"{f((s['per_step']['step'] or [None])[0])} {f(s.get('peak_alloc_GiB'))}")
 print("(nanodapo gen = generation only, reward apart; TRL gen = generation + reward + what TRL does with them)")
 print("errors:", {k: v[:200] for k, v in RES["errors"].items()} or "none")
 heads = []
-for trl_name, nano_name in (("trl", "nanodapo_torch"), ("trl_vllm", "nanodapo_vllm"), ("trl_vllm", "nanodapo_torch")):
+for trl_name, nano_name in (("trl", "nanodapo_torch"), ("trl_bf16", "nanodapo_torch"), ("trl_vllm", "nanodapo_vllm"),
+                            ("trl_vllm", "nanodapo_torch")):
     a, b = RES["sides"].get(trl_name, {}).get("median", {}), RES["sides"].get(nano_name, {}).get("median", {})
     if a.get("step") and b.get("step"):
         heads.append(f"{trl_name} / {nano_name} = {a['step'] / b['step']:.2f}x")
