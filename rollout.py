@@ -311,6 +311,23 @@ def engine_results(per_rank: list, gen_tp: int) -> list:
     return per_rank[::gen_tp]
 
 
+def _ensure_process_group():
+    """vLLM's external_launcher joins the process group torchrun's ranks made; a single process started without
+    torchrun gets a group of one on this machine (vLLM's own default would look up a routable address)."""
+    import socket
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from parallel import BACKENDS
+    kind = torch.accelerator.current_accelerator().type
+    dist.init_process_group(backend=f"cpu:gloo,{kind}:{BACKENDS[kind]}", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+
+
 def free_device_memory() -> int:
     """Bytes free on the current accelerator as the driver sees them, after torch's allocator returns its
     cached blocks (vLLM's memory pool is invisible to torch's allocator statistics)."""
@@ -335,7 +352,6 @@ class VLLMEngine:
                  dtype: str = "bfloat16", engine_kwargs: dict | None = None):
         import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
-        import torch.distributed as dist
         from vllm import LLM
         kw = dict(model=model_path, tensor_parallel_size=gen_tp, enable_sleep_mode=True,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
@@ -345,8 +361,8 @@ class VLLMEngine:
                   logprobs_mode="processed_logprobs")  # log p after temperature (and top-k/top-p), as trained
         if max_num_batched_tokens:
             kw["max_num_batched_tokens"] = max_num_batched_tokens
-        if dist.is_initialized():
-            kw["distributed_executor_backend"] = "external_launcher"
+        _ensure_process_group()
+        kw["distributed_executor_backend"] = "external_launcher"  # vLLM joins the trainer's process group
         kw.update(engine_kwargs or {})
         self.llm = LLM(**kw)
         self.weights_version = None  # dummy weights

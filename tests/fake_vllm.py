@@ -80,5 +80,6 @@ def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
     module.LLM, module.SamplingParams = LLM, SamplingParams
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setattr(R, "free_device_memory", free_bytes)
+    monkeypatch.setattr(R, "_ensure_process_group", lambda: None)  # the CPU tests stay a plain process
     LLM.instances.clear()
     return module

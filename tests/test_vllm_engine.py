@@ -78,7 +78,7 @@ def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
     kw = llm.kwargs
     assert (kw["load_format"], kw["skip_tokenizer_init"], kw["enable_sleep_mode"], kw["logprobs_mode"]) == (
         "dummy", True, True, "processed_logprobs")
-    assert "distributed_executor_backend" not in kw and kw["max_num_seqs"] == 8  # engine_kwargs win
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["max_num_seqs"] == 8  # kwargs win
     assert llm.calls == [("sleep", 2)] and eng.weights_version is None  # asleep until the first rollout
     prompts = [[5, 6, 7], [8, 9]]
     params = R.SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=11, stop_token_ids=[2])
