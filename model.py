@@ -7,6 +7,7 @@ Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...)
 loads by name and the rollout engine receives HF-named tensors without a mapping table.
 """
 import functools
+import itertools
 import json
 import math
 import os
@@ -177,14 +178,17 @@ class AttnBatch:
     padded  ([B, T], nothing set): causal within each row.
     packed  (cu_seqlens): one flat row of documents, causal within each document only.
     decode  (kv_cache + cache_pos): one new token per row, attending to that row's cache up to cache_pos.
+    sequence parallel (cu_seqlens + sp_group): packed, each rank of sp_group holding 1/sp of the tokens.
     """
     cu_seqlens: torch.Tensor | None = None  # int32 [docs + 1] document boundaries of a packed row
+    cu_seqlens_list: list | None = None  # the same on the host (torch_npu's kernel takes host lengths)
     max_seqlen: int = 0
     kv_cache: list | None = None  # per layer (k, v), each [rows, kv_heads, max_len, head_dim]
     cache_pos: torch.Tensor | None = None  # [rows] position the new token is written at
     cache_len: int = 0  # attend over cache[:, :, :cache_len]
     collect_kv: list | None = None  # prefill: per layer (k, v) [tokens, kv_heads, head_dim] is appended here
-    _mask: torch.Tensor | None = field(default=None, repr=False)
+    sp_group: object = None  # process group of a sequence-parallel packed forward (see split_for_sp)
+    _mask: torch.Tensor | None = field(default=None, repr=False)  # decode: built by the first layer
 
 
 _VARLEN_CAUSAL = {}  # torch <= 2.10 takes is_causal=True, later releases window_size=(-1, 0)
@@ -204,6 +208,23 @@ def _varlen_available(device_type: str) -> bool:
     return True
 
 
+def packed_kernel(device_type: str, dtype: torch.dtype) -> str:
+    """The kernel for packed documents: "npu" (torch_npu's fused attention, which takes fp16, bf16 and fp32),
+    "varlen" (torch's flash varlen on CUDA, half precision only), else "gather" (SDPA on the documents gathered
+    into a padded batch: any device, any dtype)."""
+    if device_type == "npu":
+        return "npu"
+    if dtype in (torch.float16, torch.bfloat16) and _varlen_available(device_type):
+        return "varlen"
+    return "gather"
+
+
+@functools.lru_cache
+def _npu_causal_mask(device: torch.device) -> torch.Tensor:
+    # sparse_mode=3 takes this fixed, compressed 2048 x 2048 mask (True = masked) for any sequence length
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+
+
 def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, KVH, D] -> [B, T, H, D]."""
     B, T, H, D = q.shape
@@ -212,24 +233,34 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
                                              is_causal=True, enable_gqa=H != k.shape[2])
         return out.transpose(1, 2)
     # packed documents (B == 1)
-    if q.dtype in (torch.float16, torch.bfloat16) and _varlen_available(q.device.type):  # flash kernels: half only
+    kernel = packed_kernel(q.device.type, q.dtype)
+    if kernel == "varlen":
         from torch.nn.attention.varlen import varlen_attn
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
         cu = batch.cu_seqlens.to(torch.int32)
         out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL)
         return out.unsqueeze(0)
+    if kernel == "npu":  # TND layout, GQA native, lengths as cumulative ends ([2, 4, 6] for 2, 2, 2)
+        import torch_npu
+        ends = batch.cu_seqlens_list[1:]
+        out = torch_npu.npu_fusion_attention(q[0], k[0], v[0], H, "TND", atten_mask=_npu_causal_mask(q.device),
+                                             scale=D ** -0.5, sparse_mode=3, actual_seq_qlen=ends,
+                                             actual_seq_kvlen=ends)[0]
+        return out.unsqueeze(0)
     # no varlen kernel (CPU, fp32): gather the documents into a right-padded [docs, max_len] batch. Causal
     # attention never lets a real token see the right padding, and padded outputs are dropped on the way back,
-    # so the cost is docs * max_len^2 instead of (total tokens)^2 for a block-diagonal mask.
-    if batch._mask is None:  # made once per forward, shared by all layers
-        cu = batch.cu_seqlens.long().to(q.device)
-        pos = torch.arange(batch.max_seqlen, device=q.device)
-        batch._mask = ((cu[:-1, None] + pos[None]).clamp(max=T - 1), pos[None] < torch.diff(cu)[:, None])
-    idx, valid = batch._mask
+    # so the cost is docs * max_len^2 instead of (total tokens)^2 for a block-diagonal mask. The index maps are
+    # recomputed per layer (a few small integer ops): no state set by the first layer, so a checkpointed, compiled
+    # block runs the same graph in forward and recompute; and no boolean masks, so no shape depends on the data.
+    cu, L = batch.cu_seqlens.long().to(q.device), batch.max_seqlen
+    tok = torch.arange(T, device=q.device)
+    doc = torch.bucketize(tok, cu[1:], right=True)  # each token's document
+    idx = (cu[:-1, None] + torch.arange(L, device=q.device)).clamp(max=T - 1)  # token in each [docs, L] slot
+    back = doc * L + tok - cu[doc]  # slot of each token
     out = F.scaled_dot_product_attention(*(t[0][idx].transpose(1, 2) for t in (q, k, v)), is_causal=True,
                                          enable_gqa=H != k.shape[2])
-    return out.transpose(1, 2)[valid].unsqueeze(0)
+    return out.transpose(1, 2).flatten(0, 1)[back].unsqueeze(0)
 
 
 def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
@@ -243,6 +274,83 @@ def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
     out = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), k_cache[:, :, :L], v_cache[:, :, :L],
                                          attn_mask=batch._mask)
     return out.reshape(B, 1, H, D)
+
+
+# -----------------------------------------------------------------------------
+# sequence parallelism (DeepSpeed-Ulysses, as verl's): each rank of an SP group embeds and runs norms, MLP and
+# projections on a contiguous 1/sp of the packed tokens; around attention, one all-to-all trades that for all
+# tokens and 1/sp of the heads, and one trades it back. Chosen over torch's context parallel (ring attention:
+# k/v passed around the ranks inside SDPA) because attention here runs unchanged, the same varlen / NPU / SDPA
+# kernels on the same packed documents and cu_seqlens, for only two all-to-alls per layer; context parallel has
+# one causal mask over the whole sequence (documents would need FlexAttention block masks instead of these
+# kernels) and its own load-balanced sharding. The price: the query heads of a TP rank must divide by sp.
+
+
+def split_for_sp(input_ids, position_ids, target_ids, batch: AttnBatch, group):
+    """The full packed row (the same on every SP rank) -> this rank's contiguous slice of each [1, T] tensor, and
+    an AttnBatch for the whole row padded to a multiple of sp. The padding is one extra document, so it attends only
+    to itself and real tokens never see it; its outputs are dropped after the gather."""
+    sp, rank = group.size(), torch.distributed.get_rank(group)
+    T = input_ids.shape[1]
+    pad = -T % sp
+    cu, cu_list = batch.cu_seqlens, batch.cu_seqlens_list
+    if pad:
+        input_ids, target_ids = F.pad(input_ids, (0, pad)), F.pad(target_ids, (0, pad))
+        position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
+        cu, cu_list = torch.cat([cu, cu.new_tensor([T + pad])]), None if cu_list is None else cu_list + [T + pad]
+    n = (T + pad) // sp
+    mine = slice(rank * n, (rank + 1) * n)
+    return (input_ids[:, mine], position_ids[:, mine], target_ids[:, mine],
+            AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu_list, max_seqlen=max(batch.max_seqlen, pad), sp_group=group))
+
+
+def _tokens_to_heads(x, group):
+    """[n, sp, h, D]: this rank's n tokens, every head, grouped by the rank that gets them -> [sp * n, h, D]:
+    every token (in rank order), this rank's h heads. torch's functional all-to-all is differentiable (its
+    backward is the reverse all-to-all) and traceable (a compiled block keeps it in its graph)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    return all_to_all_single_autograd(x.transpose(0, 1).contiguous(), None, None, group).flatten(0, 1)
+
+
+def _heads_to_tokens(y, group):
+    """The inverse of _tokens_to_heads: [sp * n, h, D] -> [n, sp, h, D]."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    recv = all_to_all_single_autograd(y.contiguous(), None, None, group)
+    return recv.unflatten(0, (group.size(), -1)).transpose(0, 1)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0. Backward keeps this rank's slice and does not sum: every SP rank computes the same
+    loss from the gathered values, so each back-propagates only through its own tokens, and FSDP's gradient
+    reduction over the SP ranks adds those parts up."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = g.shape[0] // ctx.group.size()
+        rank = torch.distributed.get_rank(ctx.group)
+        return g[rank * n:(rank + 1) * n], None
+
+
+def ulysses_attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
+    """q [1, n, H, D], k/v [1, n, KVH, D] on this rank's n tokens -> [1, n, H, D], attending over the whole row."""
+    group = batch.sp_group
+    sp, H = group.size(), q.shape[2]
+    if k.shape[2] % sp:  # kv heads (of this TP rank) do not split over sp: repeat each to lcm(kv heads, sp) heads,
+        # so query head i still reads the copies of kv head i // (H / kv heads)
+        k, v = (t.repeat_interleave(math.lcm(t.shape[2], sp) // t.shape[2], dim=2) for t in (k, v))
+    kvh = k.shape[2]
+    # one all-to-all for q, k and v together: rank r receives chunk r of each one's heads
+    qkv = _tokens_to_heads(torch.cat([t[0].unflatten(1, (sp, -1)) for t in (q, k, v)], dim=2), group)
+    q, k, v = (t.contiguous()[None] for t in qkv.split([H // sp, kvh // sp, kvh // sp], dim=1))
+    y = attention(q, k, v, batch)
+    return _heads_to_tokens(y[0], group).flatten(1, 2)[None]
 
 
 # -----------------------------------------------------------------------------
@@ -291,7 +399,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch: AttnBatch, layer_idx: int):
+    def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
+        """kv_cache: this layer's (k, v) cache when decoding."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.hd)  # -1: under tensor parallelism a rank holds a slice of heads
         k = self.k_proj(x).view(B, T, -1, self.hd)
@@ -301,12 +410,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if batch.collect_kv is not None:
             batch.collect_kv.append((k[0], v[0]))
-        if batch.kv_cache is not None:  # write the new token's k/v at each row's position
-            k_cache, v_cache = batch.kv_cache[layer_idx]
+        if kv_cache is not None:  # write the new token's k/v at each row's position
+            k_cache, v_cache = kv_cache
             rows = torch.arange(B, device=x.device)
             k_cache[rows, :, batch.cache_pos] = k[:, 0]
             v_cache[rows, :, batch.cache_pos] = v[:, 0]
             y = decode_attention(q, k_cache, v_cache, batch)
+        elif batch.sp_group is not None:
+            y = ulysses_attention(q, k, v, batch)
         else:
             y = attention(q, k, v, batch)
         return self.o_proj(y.reshape(B, T, -1))
@@ -324,16 +435,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, batch: AttnBatch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, self.layer_idx)
+    # the caller picks the layer's cache: no layer index inside, so every block is the same compiled graph
+    def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -343,11 +454,12 @@ class Transformer(nn.Module):
         self.config = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # tied embeddings: no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False  # activation checkpointing per decoder block
+        self.sp_group = None  # sequence parallelism, set by parallel.apply_sp: packed log-prob forwards split tokens
         self.inv_freq = rope_inv_freq(cfg)  # fp32, a plain attribute so that .to(bf16) never rounds it
 
     def init_weights(self, std: float = 0.02, seed: int | None = None):
@@ -377,21 +489,29 @@ class Transformer(nn.Module):
 
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
         logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last tokens).
+        With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank of the group
+        passes the same full row, computes 1/sp of it, and gets the whole row's (identical) outputs. Other
+        forwards (logits, generation) run whole on every rank.
         """
         batch = batch or AttnBatch()
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        sp_group = self.sp_group if target_ids is not None and batch.cu_seqlens is not None else None
+        if sp_group is not None:
+            input_ids, position_ids, target_ids, batch = split_for_sp(input_ids, position_ids, target_ids, batch,
+                                                                      sp_group)
         if self.inv_freq.device != input_ids.device:  # moved once (not inside a CUDA-graph capture)
             self.inv_freq = self.inv_freq.to(input_ids.device)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, kv_cache, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, batch)
+                x = layer(x, cos, sin, batch, kv_cache)
         h = self.model.norm(x)
         if logits_at is not None:
             return F.linear(h.flatten(0, 1)[logits_at], self.output_weight)
@@ -400,6 +520,8 @@ class Transformer(nn.Module):
         # computed here (inside forward) so FSDP has the output weight unsharded
         logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.output_weight, target_ids.flatten(),
                                                temperature, logprob_chunk, with_entropy)
+        if sp_group is not None:  # every rank gets the whole row (padding dropped), hence the same loss
+            logp, ent = (t if t is None else _GatherTokens.apply(t, sp_group)[:T] for t in (logp, ent))
         return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
 
 
@@ -442,8 +564,9 @@ def pack_sequences(seqs: list[list[int]], device=None):
     lens = [len(s) for s in seqs]
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
     pos = torch.cat([torch.arange(n) for n in lens]).to(device)[None]
-    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
-    return ids, pos, AttnBatch(cu_seqlens=cu, max_seqlen=max(lens))
+    cu = list(itertools.accumulate(lens, initial=0))
+    return ids, pos, AttnBatch(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device), cu_seqlens_list=cu,
+                               max_seqlen=max(lens))
 
 
 # -----------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 Devices, in one place: which accelerator (cuda / npu / cpu), its process-group backend, autocast,
 RNG state, synchronize and memory stats. Nothing else in nanodapo names a device type.
 
-And multi-device training: process groups from torchrun, a (dp, tp) device mesh, tensor parallelism
-(DTensor plans), FSDP2 sharding with bf16 compute over fp32 master weights, and full weights gathered
-in buckets for the rollout engine.
+And multi-device training: process groups from torchrun, a (dp, sp, tp) device mesh, tensor parallelism
+(DTensor plans), Ulysses sequence parallelism, per-block torch.compile, FSDP2 sharding with bf16 compute over
+fp32 master weights, and full weights gathered in buckets for the rollout engine.
 """
 import contextlib
 import math
@@ -78,44 +78,63 @@ def set_rng_state(state: dict, device: torch.device):
 
 @dataclass
 class ParallelDims:
+    """world = dp x sp x tp ranks; rank = (dp_rank * sp + sp_rank) * tp + tp_rank (TP innermost, on one node).
+
+    dp: data-parallel replicas, the groups that see different data. The sp x tp ranks of one replica run the same
+    micro-batches: TP splits the weights' heads and features, SP the tokens. FSDP shards parameters, gradients and
+    optimizer states over the dp x sp ranks of the same TP index (fsdp_size) and averages gradients over them."""
     world_size: int
     rank: int
     local_rank: int
     tp: int
     device: torch.device
-    mesh: object = None  # DeviceMesh ("dp", "tp") when world_size > 1
+    sp: int = 1
+    mesh: object = None  # DeviceMesh ("dp", "sp", "tp") when world_size > 1
+    fsdp_mesh: object = None  # its ("dp", "sp") dimensions flattened: the ranks FSDP shards over
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.sp * self.tp)
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.dp * self.sp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank // (self.sp * self.tp)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank // self.tp % self.sp
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", tp: int = 1) -> ParallelDims:
+def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1) -> ParallelDims:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if tp < 1 or world % tp:
         raise ValueError(f"tp_size={tp} must divide the world size {world} (dp = world_size / tp_size)")
+    if sp < 1 or world % (tp * sp):
+        raise ValueError(f"sp_size={sp} x tp_size={tp} = {sp * tp} must divide the world size {world} "
+                         "(dp = world_size / (sp_size x tp_size))")
     kind = device_type(device)
     dev = torch.device("cpu")
     if kind != "cpu":
         torch.get_device_module(kind).set_device(local_rank)
         dev = torch.device(kind, local_rank)
-    mesh = None
+    mesh = fsdp_mesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         if not dist.is_initialized():
             backend = BACKENDS[kind] if kind == "cpu" else f"cpu:gloo,{kind}:{BACKENDS[kind]}"
             dist.init_process_group(backend=backend)
-        mesh = init_device_mesh(kind, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    return ParallelDims(world, rank, local_rank, tp, dev, mesh)
+        mesh = init_device_mesh(kind, (world // (tp * sp), sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+        fsdp_mesh = mesh["dp", "sp"]._flatten("fsdp")
+    return ParallelDims(world, rank, local_rank, tp, dev, sp=sp, mesh=mesh, fsdp_mesh=fsdp_mesh)
 
 
 def shutdown():
@@ -149,7 +168,8 @@ def barrier(dims: ParallelDims):
 
 
 # -----------------------------------------------------------------------------
-# tensor parallel and FSDP2, applied in torchtitan's order: TP, activation checkpointing (model flag), FSDP
+# tensor parallel, sequence parallel, compile and FSDP2, applied in torchtitan's order: TP, activation
+# checkpointing (model flag), compile, FSDP
 
 # q/k/v/gate/up split their output features (heads) across TP ranks, o/down their input features, so each
 # block needs one all-reduce after attention and one after the MLP; norms and embeddings stay replicated.
@@ -171,22 +191,55 @@ def apply_tp(model, tp_mesh):
             block.self_attn.q_norm.grad_sum_group = block.self_attn.k_norm.grad_sum_group = tp_mesh.get_group()
 
 
-def apply_fsdp(model, dp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False):
+def apply_sp(model, sp_mesh, tp: int = 1):
+    """Ulysses sequence parallelism (model.py, split_for_sp): the packed log-prob forward splits its tokens over
+    sp_mesh's ranks, which all pass the same row and get the same outputs. Each rank attends with 1/sp of this
+    TP rank's query heads; kv heads fewer than sp are repeated in the forward."""
+    sp, heads = sp_mesh.size(), model.config.num_attention_heads
+    if heads % (tp * sp):
+        raise ValueError(f"num_attention_heads={heads} must be divisible by tp_size x sp_size = {tp} x {sp}: "
+                         "sequence parallelism gives every rank an equal share of each TP rank's heads")
+    model.sp_group = sp_mesh.get_group()
+
+
+def apply_compile(model):
+    """torch.compile each decoder block, in place: nn.Module.compile keeps the parameter names (HF's), where a
+    torch.compile wrapper module would prefix them with _orig_mod. Blocks, not the whole model, as torchtitan: the
+    blocks are alike (no layer index inside), so all share one graph and compile time is that of one block. Shapes:
+    torch's default: the second token count seen recompiles once with a symbolic token count, while heads and
+    features stay static. (dynamic=True would make those symbolic too.) All blocks of one forward see the same
+    shapes, so an activation-checkpoint recompute finds the graph its forward used."""
+    for block in model.model.layers:
+        block.compile()
+
+
+def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False):
     """fully_shard each decoder block, then the root (embeddings, final norm, output layer). Parameters stay
-    fp32 (the master copy, sharded, as are AdamW's states); compute runs in param_dtype, gradients reduce in fp32."""
+    fp32 (the master copy, sharded, as are AdamW's states); compute runs in param_dtype, gradients reduce in fp32.
+
+    Inputs are not cast (cast_forward_inputs=False): a block's hidden states are in param_dtype already (they come
+    from the param_dtype embedding), and RoPE's cos/sin stay fp32, as model.py means them to. With the cast,
+    activation checkpointing failed on 2 H200s (torch 2.11): the block's recompute in backward got fp32 cos/sin
+    where its forward had bf16 ones (CheckpointError; torch 2.13 on the CPU casts in both)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-              offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    kw = dict(mesh=fsdp_mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     for block in model.model.layers:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
 
 
-def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False):
+def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False, compile: bool = False):
+    """Shard `model` for dims: TP, SP, optionally compile each block, then FSDP2 over dims.fsdp_mesh. FSDP
+    averages gradients over dims.fsdp_size ranks: a rank's loss scaled by fsdp_size makes that average a sum."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
+    if dims.sp > 1:
+        apply_sp(model, dims.mesh["sp"], dims.tp)
+    if compile:
+        apply_compile(model)
     if dims.world_size > 1:
-        apply_fsdp(model, dims.mesh["dp"], param_dtype=param_dtype, offload=offload)
+        apply_fsdp(model, dims.fsdp_mesh, param_dtype=param_dtype, offload=offload)
 
 
 def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat16):
@@ -320,8 +373,9 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     "generation_gib", "peak_gib", "verdict": "fits" | "does not fit", "largest", "knob", "notes", ...}.
     peak = resident + max(training, generation): the KV cache is freed (engine.sleep) before the update starts.
 
-    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, dp = world_size / tp; w = 2 bytes, 4 for float32):
-    - params 4, grads 4, AdamW 8 bytes/param, sharded by FSDP over dp and, for the q/k/v/o/gate/up/down weights,
+    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, sp = cfg.sp_size (1 where the config has none),
+    dp = world_size / (tp * sp) replicas, FSDP over fsdp = dp * sp ranks; w = 2 bytes, 4 for float32):
+    - params 4, grads 4, AdamW 8 bytes/param, sharded by FSDP over fsdp and, for the q/k/v/o/gate/up/down weights,
       by TP; embeddings, lm_head and norms are replicated over TP. param_offload or optimizer_offload moves all
       three to the host (FSDP2 offloads them together): counted in host_gib instead. World size 1 has no FSDP:
       full fp32 copies on the GPU, and offload does not apply.
@@ -331,27 +385,31 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     - working: FSDP all-gathers units in compute dtype: the root unit (embeddings, lm_head, final norm; kept
       unsharded through forward and backward) plus one decoder block at a time, x2 for the prefetched next unit
       and the unsharded gradients. World size 1: autocast's cached compute-dtype copy of every weight, w * P.
-    - activations, for the token budget of one update micro-batch (ppo_max_token_len_per_gpu with
-      use_dynamic_bsz, else ppo_micro_batch_size_per_gpu * (max_prompt_length + max_response_length)).
+    - activations, for this GPU's tokens of one update micro-batch: the micro-batch's tokens / sp, as sequence
+      parallelism gives each of its sp ranks 1/sp of them (attention's q, k, v: all tokens, 1/sp of the heads: the
+      same bytes). A micro-batch is ppo_max_token_len_per_gpu * sp tokens with use_dynamic_bsz (verl's convention:
+      the budget stays per GPU), else ppo_micro_batch_size_per_gpu * (max_prompt_length + max_response_length).
       One block saves, per token, in bf16 bytes: 2 RMSNorms x (fp32 input 4h + output 2h) + the q/k/v and
       gate/up inputs 2h + 2h, flash attention's q, k and v (k, v repeated to all heads) and output 8q, the MLP's
       gate, up, silu(gate) and product 8i, and with Qwen3's q/k norms 6q + 6kv: 16h + 8q + 8i (+ 6q + 6kv),
       h = hidden, q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate; the q, kv and i parts are split
-      by TP, the h parts are not (no sequence parallelism). Measured on an H200 (packed bf16 forward + backward,
-      flash varlen, no checkpointing): 108,870 bytes a token a layer for a Qwen2.5-1.5B shape (this: 108,544),
+      by TP, the h parts are not. Measured on an H200 (packed bf16 forward + backward, flash varlen, no
+      checkpointing): 108,870 bytes a token a layer for a Qwen2.5-1.5B shape (this: 108,544),
       ~3% more than this for a Qwen3-4B-like shape. gradient_checkpointing keeps each block's input
       (tokens * h * w per layer) plus one block's activations during its recompute (measured peaks were ~2 GiB
       below this + logprob_buffer: conservative); without it every block's activations stay.
-    - logprob_buffer: the chunked fp32 log-prob/entropy: logprob_chunk * vocab * 4 bytes * ~3 (logits, softmax,
-      their gradient). The no-grad old/ref log-prob pass holds less than an update micro-batch and is not counted.
+    - logprob_buffer: the chunked fp32 log-prob/entropy: logprob_chunk tokens (or this GPU's tokens, if fewer)
+      * vocab * 4 bytes * ~3 (logits, softmax, their gradient). The no-grad old/ref log-prob pass holds less than
+      an update micro-batch and is not counted.
     - kv_cache: max(max_num_seqs, n) rows (with CUDA graphs the cache has max_num_seqs rows; a wave holds at least
       one whole group of n) x (max_prompt_length + max_response_length) positions x layers x 2 (k, v) x kv_heads x
       head_dim, in the engine's dtype (world size 1: the fp32 master weights' dtype).
     - runtime: a flat runtime_gib for what the allocator does not see (CUDA context, NCCL buffers, fragmentation).
     """
     m = model_cfg
-    tp = cfg.tp_size
-    dp = world_size // tp
+    tp, sp = cfg.tp_size, getattr(cfg, "sp_size", 1)
+    fsdp = world_size // tp
+    dp = fsdp // sp
     w = 4 if cfg.dtype == "float32" else 2
     sharded = world_size > 1
     P = m.num_params()
@@ -360,7 +418,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     block_tp = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0) + 3 * h * m.intermediate_size
     block = block_tp + 2 * h + (2 * hd if m.qk_norm else 0)  # + norms, replicated over TP
     root = P - L * block  # embeddings, lm_head (untied), final norm
-    per_gpu = (L * block_tp / (dp * tp) + (P - L * block_tp) / dp) if sharded else P  # params held by one GPU
+    per_gpu = (L * block_tp / (fsdp * tp) + (P - L * block_tp) / fsdp) if sharded else P  # params held by one GPU
     offload = sharded and (cfg.param_offload or cfg.optimizer_offload)
     use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
 
@@ -372,12 +430,13 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib["runtime"] = runtime_gib
     gib["working"] = (2 * w * (root + block_tp / tp + (block - block_tp)) if sharded else w * P) / GiB
     seq = cfg.max_prompt_length + cfg.max_response_length
-    tokens = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
+    tokens = cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
+    local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
     split = 8 * q + 8 * m.intermediate_size + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
-    one_block = tokens * (16 * h + split / tp) * w / 2  # bytes counted for bf16 above; w / 2 scales them
-    acts = tokens * h * w * L + one_block if cfg.gradient_checkpointing else L * one_block
+    one_block = local * (16 * h + split / tp) * w / 2  # bytes counted for bf16 above; w / 2 scales them
+    acts = local * h * w * L + one_block if cfg.gradient_checkpointing else L * one_block
     gib["activations"] = acts / GiB
-    gib["logprob_buffer"] = cfg.logprob_chunk * m.vocab_size * 4 * 3 / GiB
+    gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
     rows = max(cfg.max_num_seqs, cfg.n)
     gib["kv_cache"] = rows * seq * L * 2 * m.num_key_value_heads * hd * (w if sharded else 4) / GiB
 
@@ -395,7 +454,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     notes.append(f"vLLM rule from the seeds, for the vLLM engine (issue 7), not the built-in one: gpu memory x "
                  f"gpu_memory_utilization x rollout TP > 2 x params ({2 * P / GiB:.1f} GiB) + KV cache; GiB left "
                  f"for KV per engine at 0.8 of {gpu_gib:g} GiB: {room}")
-    return {"world_size": world_size, "dp": dp, "tp": tp, "gpu_gib": gpu_gib, "num_params": P,
+    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "gpu_gib": gpu_gib, "num_params": P,
             "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib,
             "resident_gib": total["resident"], "training_gib": total["training"],
             "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,
@@ -417,7 +476,8 @@ def _memory_knob(term: str, cfg, sharded: bool) -> str:
     if term == "activations":
         if not cfg.gradient_checkpointing:
             return "gradient_checkpointing=True"
-        return "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
+        budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
+        return f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)"
     if term == "logprob_buffer":
         return "logprob_chunk"
     if cfg.max_num_seqs > cfg.n:  # kv_cache
@@ -433,9 +493,11 @@ def format_memory_plan(plans: list[dict]) -> str:
     head = [f"{p['gpu_gib']:g} GiB" for p in plans]
     width = max(14, *(len(x) + 2 for x in head))
     cols = lambda vals: "".join(f"{v:>{width}}" for v in vals)  # noqa: E731
+    sp = f" x sp {p0['sp']}" if p0["sp"] > 1 else ""
+    per_gpu = f" ({math.ceil(p0['tokens_per_micro_batch'] / p0['sp'])} per GPU)" if p0["sp"] > 1 else ""
     out = [f"memory per GPU (GiB): {p0['num_params'] / 1e9:.2f}B params, world {p0['world_size']} = "
-           f"dp {p0['dp']} x tp {p0['tp']}, {p0['tokens_per_micro_batch']} tokens per update micro-batch, "
-           f"KV cache {p0['kv_rows']} rows",
+           f"dp {p0['dp']}{sp} x tp {p0['tp']}, {p0['tokens_per_micro_batch']} tokens per update micro-batch"
+           f"{per_gpu}, KV cache {p0['kv_rows']} rows",
            f"  {'':11}{'':38}" + cols(head)]
     for phase in ("resident", "training", "generation"):
         for i, (term, (ph, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items() if v[0] == phase):

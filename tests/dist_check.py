@@ -1,5 +1,9 @@
-"""Run under torchrun by tests/test_parallel.py on CPU with gloo. Modes:
+"""Run under torchrun by tests/test_parallel.py and tests/test_sp.py on CPU with gloo. Modes:
   fsdp | tp | fsdp_tp   a few AdamW steps of a tiny Qwen3, sharded so; rank 0 saves full params + losses
+  sp | sp_tp | sp4 | sp_compile
+                        sequence parallel (sp=2; sp_tp: and tp=2; sp4: sp=4; sp_compile: compiled blocks), FSDP
+                        over the sp ranks, activation checkpointing: one forward + backward (log-probs, entropy,
+                        loss, full gradients), then the AdamW steps
   update                train_dapo.update_policy on a fixed batch (token-mean over dp ranks), FSDP over all ranks
   save | load           a train_dapo-style checkpoint written / read at this world size
 """
@@ -13,9 +17,9 @@ import model as M
 import parallel
 
 
-def tiny_config():
+def tiny_config(kv_heads=2):
     return M.ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
                          tie_word_embeddings=False)
 
 
@@ -25,7 +29,8 @@ def batch(seed=0):
 
 
 def train_steps(model, opt, dims, steps=3):
-    """Loss = token-sum of -logp over this dp rank's docs / all tokens * dp (FSDP averages gradients)."""
+    """Loss = token-sum of -logp over this dp rank's docs / all tokens; backward of loss * fsdp_size, as FSDP
+    averages gradients over fsdp_size ranks. Returns this rank's losses."""
     docs = batch()
     n_tokens_total, rank_docs = sum(len(d) - 1 for d in docs), docs[dims.dp_rank::dims.dp]
     losses = []
@@ -34,12 +39,31 @@ def train_steps(model, opt, dims, steps=3):
         ids, pos, b = M.pack_sequences([d[:-1] for d in rank_docs])
         tgt = torch.tensor([t for d in rank_docs for t in d[1:]])[None]
         logp, _ = model(ids, pos, b, target_ids=tgt)
-        loss = -logp.sum() / n_tokens_total * dims.dp
-        loss.backward()
+        loss = -logp.sum() / n_tokens_total
+        (loss * dims.fsdp_size).backward()
         parallel.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def forward_backward(model, dims):
+    """One packed forward + backward over every document (the SP modes have dp = 1) -> per-token log-probs and
+    entropy, the loss, and the full gradients; also the no-grad log-probs and the packed logits."""
+    from torch.distributed.tensor import DTensor
+    docs = batch()
+    ids, pos, b = M.pack_sequences([d[:-1] for d in docs])
+    tgt = torch.tensor([t for d in docs for t in d[1:]])[None]
+    logp, ent = model(ids, pos, b, target_ids=tgt, with_entropy=True, logprob_chunk=8)
+    loss = (-logp.sum() - 0.1 * ent.sum()) / tgt.numel()
+    (loss * dims.fsdp_size).backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logp_no_grad, _ = model(ids, pos, b, target_ids=tgt)
+        logits = model(ids, pos, b)
+    return {"logp": logp.detach(), "entropy": ent.detach(), "loss": loss.item(), "grads": grads,
+            "logp_no_grad": logp_no_grad, "logits": logits}
 
 
 def full_params(model):
@@ -50,13 +74,19 @@ def full_params(model):
 
 
 def main(mode, ckpt_dir, out):
-    dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1)
+    sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2}.get(mode, 1)
+    dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp)
     shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
-        (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32)) if dims.world_size > 1 else None
+        (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32, compile=mode == "sp_compile")) \
+        if dims.world_size > 1 else None
     model = M.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
     result = {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if mode in ("fsdp", "tp", "fsdp_tp", "single"):
+        result["losses"] = train_steps(model, opt, dims)
+    elif mode in ("sp", "sp_tp", "sp4", "sp_compile"):
+        model.gradient_checkpointing = True  # backward then recomputes the all-to-alls
+        result.update(forward_backward(model, dims))
         result["losses"] = train_steps(model, opt, dims)
     elif mode == "update":
         import train_dapo as T
