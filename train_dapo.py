@@ -114,8 +114,11 @@ class Config:
     max_num_batched_tokens: int = 0  # vLLM's token budget per engine step (0 = vLLM's default)
     vllm_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as is, e.g. {"cudagraph_capture_sizes": [..]}
     tis_imp_ratio_cap: float = -1.0  # truncated importance sampling: weight token losses by min(p_old / p_rollout, cap)
-    # parallelism (torchrun sets the world size; dp = world_size / tp_size, FSDP2 shards over dp)
+    # parallelism (torchrun sets the world size; dp = world_size / (tp_size * sp_size) replicas see different data;
+    # FSDP2 shards parameters, gradients and optimizer states over dp x sp)
     tp_size: int = 1  # tensor parallel degree for training
+    sp_size: int = 1  # Ulysses sequence parallel degree: ranks that split each micro-batch's tokens (verl: ulysses_sequence_parallel_size)
+    compile: bool = False  # torch.compile each decoder block (multi-GPU runs)
     param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
     optimizer_offload: bool = False  # same policy as param_offload: FSDP2 offloads all three together
     # schedule
@@ -235,11 +238,13 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     need(B % M == 0, f"ppo_mini_batch_size={M} must divide train_batch_size={B} (one optimizer step per mini-batch)")
     need(cfg.gen_batch_size >= B or cfg.filter_groups,
          f"gen_batch_size={cfg.gen_batch_size} < train_batch_size={B} needs filter_groups=True (refill rounds)")
-    need(cfg.tp_size >= 1 and world_size % cfg.tp_size == 0, f"tp_size={cfg.tp_size} must divide the world "
-                                                             f"size {world_size}")
-    dp = world_size // cfg.tp_size
+    need(cfg.tp_size >= 1 and cfg.sp_size >= 1 and world_size % (cfg.tp_size * cfg.sp_size) == 0,
+         f"tp_size={cfg.tp_size} x sp_size={cfg.sp_size} must divide the world size {world_size}")
+    dp = world_size // (cfg.tp_size * cfg.sp_size)
     need((M * G) % dp == 0, f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over "
-                            f"{dp} data-parallel ranks (world_size / tp_size)")
+                            f"{dp} data-parallel ranks (world_size / (tp_size * sp_size))")
+    need(not cfg.compile or world_size > 1, "compile=True is for sharded runs (torchrun, 2+ GPUs): on one device the "
+                                            "built-in engine decodes with the trainer's own module, untested compiled")
     per_rank = M * G // dp
     need(cfg.use_dynamic_bsz or per_rank % cfg.ppo_micro_batch_size_per_gpu == 0,
          f"ppo_micro_batch_size_per_gpu={cfg.ppo_micro_batch_size_per_gpu} must divide the per-rank mini-batch "
@@ -287,11 +292,14 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     need(os.path.isfile(os.path.join(cfg.model_path, "config.json")),
          f"model_path={cfg.model_path!r} has no config.json; point it at an HF model directory")
     try:
-        M.load_config(cfg.model_path)
+        model_cfg = M.load_config(cfg.model_path)
         M.safetensors_files(cfg.model_path)
         tok = M.Tokenizer.from_pretrained(cfg.model_path)
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
         raise ConfigError(f"model_path={cfg.model_path!r}: {type(e).__name__}: {e}") from None
+    heads = cfg.tp_size * cfg.sp_size
+    need(model_cfg.num_attention_heads % heads == 0, f"tp_size x sp_size = {heads} must divide the model's "
+                                                      f"num_attention_heads={model_cfg.num_attention_heads}")
     need(tok.chat_template is not None, f"the tokenizer in {cfg.model_path!r} has no chat template "
          "(tokenizer_config.json 'chat_template' or chat_template.jinja); add one: prompts are templated")
     if cfg.resume not in ("auto", "disable"):
@@ -322,7 +330,7 @@ def batch_arithmetic(cfg: Config, world_size: int, num_train_prompts: int | None
     a = {"world_size": world_size, "prompts_per_generation_round": cfg.gen_batch_size,
          "trajectories_per_generation_round": cfg.gen_batch_size * G, "trajectories_per_step": B * G,
          "optimizer_steps_per_step": cfg.ppo_epochs * B // M, "mini_batch_trajectories": M * G,
-         "per_rank_mini_batch": M * G // (world_size // cfg.tp_size)}
+         "per_rank_mini_batch": M * G // (world_size // (cfg.tp_size * cfg.sp_size))}
     a["accumulation_steps"] = ("token budget" if cfg.use_dynamic_bsz else
                                a["per_rank_mini_batch"] // cfg.ppo_micro_batch_size_per_gpu)
     if num_train_prompts is not None:
@@ -518,7 +526,7 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx, dims) -> torch
     """Log-probs of every trajectory's response under `model`: each dp rank computes its share in
     token-budget or counted micro-batches, then all ranks exchange them."""
     import parallel
-    budget = cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+    budget = cfg.log_prob_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
     mine = list(range(len(traj)))
     if dims.dp > 1:  # pad to a multiple of dp with repeats so every rank runs the same forwards
         mine = mine + mine[:(-len(mine)) % dims.dp]
@@ -541,12 +549,12 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx, dims) -> torch
 def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, ctx, dims) -> dict:
     """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Every rank holds the whole batch
     and trains on its share of each mini-batch. A micro-batch's loss is weighted by its share of the whole
-    mini-batch's tokens (token-mean) or sequences, times dp because FSDP averages gradients over ranks,
+    mini-batch's tokens (token-mean) or sequences, times dp x sp because FSDP averages gradients over ranks,
     so the gradient is exactly that of the whole mini-batch whatever the micro-batch split or world size."""
     import parallel
     T, G = len(traj), cfg.n
     mb_size = cfg.ppo_mini_batch_size * G
-    budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+    budget = cfg.ppo_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
     sums, grad_norms, skipped = {}, [], 0
     n_minibatches = cfg.ppo_epochs * math.ceil(T / mb_size)
     model.train()
@@ -579,7 +587,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                     m["kl_loss"] = kl.item()
                 if traj.old_logp is None:  # on-policy shortcut: this forward's log-probs are the old ones
                     m["logp_mismatch"] = _mismatch(logp.detach().cpu(), traj.rollout_logp[mb], mask.cpu())
-                (loss * weight * dims.dp).backward()
+                # FSDP averages over dp x sp ranks; the SP ranks of a group each hold the gradient of their tokens
+                (loss * weight * dims.fsdp_size).backward()
                 finite = finite and math.isfinite(loss.item())
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v * weight * dims.dp / n_minibatches
@@ -864,8 +873,8 @@ def train(cfg: Config):
     from rollout import TorchEngine, VLLMEngine, engine_results, engine_share, resolve_engine
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    dims = parallel.init_distributed(cfg.device, cfg.tp_size)
-    validate(cfg, world_size=dims.world_size)
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or device
+    dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size)
     device, main_rank = dims.device, dims.is_main
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
@@ -905,7 +914,8 @@ def train(cfg: Config):
     # shards with bf16 compute; the rollout engine then needs its own full copy, refreshed every step.
     sharded = dims.world_size > 1
     shard = (lambda m: parallel.parallelize(m, dims, param_dtype=compute_dtype,  # noqa: E731
-                                            offload=cfg.param_offload or cfg.optimizer_offload)) if sharded else None
+                                            offload=cfg.param_offload or cfg.optimizer_offload,
+                                            compile=cfg.compile)) if sharded else None
     model = M.from_pretrained(cfg.model_path, dtype=torch.float32, device=device, parallelize=shard)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     ref_model = None  # built only when a KL term is on

@@ -5,6 +5,7 @@
                         over the sp ranks, activation checkpointing: one forward + backward (log-probs, entropy,
                         loss, full gradients), then the AdamW steps
   update                train_dapo.update_policy on a fixed batch (token-mean over dp ranks), FSDP over all ranks
+  update_sp             the same with sp=2: both ranks split every micro-batch's tokens (Ulysses)
   save | load           a train_dapo-style checkpoint written / read at this world size
 """
 import contextlib
@@ -74,7 +75,7 @@ def full_params(model):
 
 
 def main(mode, ckpt_dir, out):
-    sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2}.get(mode, 1)
+    sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2, "update_sp": 2}.get(mode, 1)
     dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp)
     shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
         (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32, compile=mode == "sp_compile")) \
@@ -88,7 +89,7 @@ def main(mode, ckpt_dir, out):
         model.gradient_checkpointing = True  # backward then recomputes the all-to-alls
         result.update(forward_backward(model, dims))
         result["losses"] = train_steps(model, opt, dims)
-    elif mode == "update":
+    elif mode in ("update", "update_sp"):
         import train_dapo as T
         from test_train import random_batch  # the fixed batch of the single-process tests
         cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,

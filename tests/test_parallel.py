@@ -56,8 +56,10 @@ def test_sharded_training_matches_single_process(model_dir, tmp_path, mode, npro
         assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)
 
 
-def test_update_policy_is_exact_across_ranks(model_dir, tmp_path):
-    """2 ranks x token-budget micro-batches give the single-process update (global token-mean)."""
+@pytest.mark.parametrize("mode", ["update", "update_sp"])
+def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode):
+    """2 ranks x token-budget micro-batches give the single-process update (global token-mean); with sp=2 the
+    two ranks split each micro-batch's tokens instead of the micro-batches."""
     import contextlib
 
     import train_dapo as T
@@ -69,7 +71,7 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path):
                    ppo_micro_batch_size_per_gpu=6)
     before = {k: v.detach().clone() for k, v in m.named_parameters()}
     T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, contextlib.nullcontext(), dims)
-    torchrun(2, "update", model_dir, tmp_path / "out.pt")
+    torchrun(2, mode, model_dir, tmp_path / "out.pt")
     assert max_diff(dict(m.named_parameters()), before) > 1e-3  # the step is large enough to see a scale error
     assert max_diff(dict(m.named_parameters()), torch.load(tmp_path / "out.pt")["params"]) < 1e-5
 

@@ -55,6 +55,8 @@ def test_config_errors_name_the_key(args, msg):
     (dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=100), "ppo_max_token_len_per_gpu=100 must be >="),
     (dict(logger=["console", "neptune"]), "logger 'neptune'"),
     (dict(n=0), "n=0 must be > 0"),
+    (dict(sp_size=2), "tp_size=1 x sp_size=2 must divide the world size 1"),
+    (dict(compile=True), "compile=True is for sharded runs"),
 ])
 def test_cross_field_validation(over, msg):
     with pytest.raises(T.ConfigError, match=msg):
