@@ -22,6 +22,7 @@ top_p < 1 or top_k the two differ from the trainer's by the log of the kept mass
 top_p=1, top_k=-1 make all three equal).
 """
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -145,14 +146,17 @@ class TorchEngine:
     def _alloc_cache(self, rows: int, max_len: int):
         """One preallocated cache reused across waves while it is large enough: per layer (k, v) [rows, kvh, L, D];
         with CUDA graphs also their inputs (tokens, positions) and output (logits), shared by all graphs."""
-        c = self._cache
-        if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:
-            return c
         cfg, w = self.model.config, self.model.output_weight
+        # k/v come out of the projections in the autocast dtype when generating under autocast (an fp32 master
+        # model on one GPU): the cache holds what the trainer's own forward attends over
+        dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else w.dtype
+        c = self._cache
+        if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len and c[0][0].dtype == dtype:
+            return c
         shape = (rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # old graphs read the old cache
-        self._cache = [(torch.zeros(shape, dtype=w.dtype, device=self.device),
-                        torch.zeros(shape, dtype=w.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        self._cache = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                        torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
         if self.use_cuda_graph:
             self._io = (torch.zeros(rows, dtype=torch.long, device=self.device),
                         torch.zeros(rows, dtype=torch.long, device=self.device),
@@ -312,20 +316,26 @@ def engine_results(per_rank: list, gen_tp: int) -> list:
 
 
 def _ensure_process_group():
-    """vLLM's external_launcher joins the process group torchrun's ranks made; a single process started without
-    torchrun gets a group of one on this machine (vLLM's own default would look up a routable address)."""
+    """vLLM's external_launcher joins the process group of torchrun's ranks. A single rank has none yet: under
+    torchrun it joins torchrun's store (env://; a tcp:// address there would wait on the agent's store forever),
+    started without torchrun it gets a group of one on 127.0.0.1 (vLLM's own default looked up an address the
+    H200 machine could not reach)."""
     import socket
 
     import torch.distributed as dist
+
+    from parallel import BACKENDS
     if dist.is_initialized():
+        return
+    kind = torch.accelerator.current_accelerator().type
+    backend = f"cpu:gloo,{kind}:{BACKENDS[kind]}"
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend=backend)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from parallel import BACKENDS
-    kind = torch.accelerator.current_accelerator().type
-    dist.init_process_group(backend=f"cpu:gloo,{kind}:{BACKENDS[kind]}", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def free_device_memory() -> int:
@@ -350,7 +360,6 @@ class VLLMEngine:
                  max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False,
                  enable_chunked_prefill: bool = True, max_num_batched_tokens: int | None = None, seed: int = 0,
                  dtype: str = "bfloat16", engine_kwargs: dict | None = None):
-        import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
         from vllm import LLM
         kw = dict(model=model_path, tensor_parallel_size=gen_tp, enable_sleep_mode=True,

@@ -282,9 +282,6 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     need(0 < cfg.gpu_memory_utilization < 1, f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1)")
     need(cfg.tis_imp_ratio_cap == -1 or cfg.tis_imp_ratio_cap >= 1,
          f"tis_imp_ratio_cap={cfg.tis_imp_ratio_cap}: use -1 (off) or a cap >= 1 (e.g. 2)")
-    if cfg.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout_engine='vllm' but vllm is not installed: pip install -e '.[vllm]' (CUDA), or "
-                          "use rollout_engine='torch' (the built-in engine)")
     if not check_files:
         return
     import data
@@ -875,6 +872,10 @@ def train(cfg: Config):
 
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or device
     dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size)
+    try:
+        engine_kind = resolve_engine(cfg.rollout_engine, dims.device.type)  # vllm installed? (a dry run needs not)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     device, main_rank = dims.device, dims.is_main
     if cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
@@ -899,7 +900,7 @@ def train(cfg: Config):
     # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
     # sleeps (weights and cache released) until the first rollout
     engine, gen_tp = None, cfg.gen_tp
-    if resolve_engine(cfg.rollout_engine, device.type) == "vllm":
+    if engine_kind == "vllm":
         t0 = time.perf_counter()
         engine = VLLMEngine(cfg.model_path, gen_tp=gen_tp, gpu_memory_utilization=cfg.gpu_memory_utilization,
                             max_model_len=cfg.max_prompt_length + cfg.max_response_length,

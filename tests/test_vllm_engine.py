@@ -147,6 +147,15 @@ def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(mo
         assert j < i - 3 and calls[j] == ("wake_up", ("weights",))
 
 
+def test_missing_vllm_is_a_config_error_before_any_work(tiny_dir, tmp_path, monkeypatch):
+    from test_train import run_cfg
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(T.ConfigError, match="vllm is not installed"):
+        T.train(run_cfg(tiny_dir, tmp_path, rollout_engine="vllm"))
+    assert not (tmp_path / "config.json").exists()  # nothing written, nothing built
+
+
 def test_vllm_config_checks():
     with pytest.raises(T.ConfigError, match="gen_tp=3 must divide the world size 4"):
         T.validate(T.Config(gen_tp=3, ppo_mini_batch_size=32), world_size=4, check_files=False)
@@ -156,7 +165,7 @@ def test_vllm_config_checks():
         T.validate(T.Config(tis_imp_ratio_cap=0.5), check_files=False)
     assert R.resolve_engine("auto", "cpu") == "torch"
     if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(T.ConfigError, match="vllm is not installed"):
-            T.validate(T.Config(rollout_engine="vllm"), check_files=False)
+        with pytest.raises(ValueError, match="vllm is not installed"):
+            R.resolve_engine("vllm", "cuda")
     with pytest.raises(ValueError, match="rollout_engine='tpu'"):
         R.resolve_engine("tpu", "cuda")
