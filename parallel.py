@@ -362,10 +362,14 @@ MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / g
     "activations": ("training", "activations of one micro-batch"),
     "logprob_buffer": ("training", "fp32 logits of one logprob_chunk"),
     "kv_cache": ("generation", "KV cache of the built-in engine"),
+    "vllm_asleep": ("resident", "vLLM asleep (graph pool, allocator)"),
+    "vllm_awake": ("generation", "vLLM awake: utilization x GPU"),
+    "sync_bucket": ("generation", "one weight-push bucket"),
 }
 
 
-def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: float = 3.0) -> dict:
+def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: float = 3.0,
+                engine: str = "torch") -> dict:
     """Estimate per-GPU memory of a run of train_dapo.train(cfg) on world_size GPUs of gpu_gib GiB each.
 
     cfg: a train_dapo.Config; model_cfg: a model.ModelConfig (both read by attribute only). Returns
@@ -373,7 +377,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     "generation_gib", "peak_gib", "verdict": "fits" | "does not fit", "largest", "knob", "notes", ...}.
     peak = resident + max(training, generation): the KV cache is freed (engine.sleep) before the update starts.
 
-    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, sp = cfg.sp_size (1 where the config has none),
+    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, sp = cfg.sp_size,
     dp = world_size / (tp * sp) replicas, FSDP over fsdp = dp * sp ranks; w = 2 bytes, 4 for float32):
     - params 4, grads 4, AdamW 8 bytes/param, sharded by FSDP over fsdp and, for the q/k/v/o/gate/up/down weights,
       by TP; embeddings, lm_head and norms are replicated over TP. param_offload or optimizer_offload moves all
@@ -403,11 +407,15 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
       an update micro-batch and is not counted.
     - kv_cache: max(max_num_seqs, n) rows (with CUDA graphs the cache has max_num_seqs rows; a wave holds at least
       one whole group of n) x (max_prompt_length + max_response_length) positions x layers x 2 (k, v) x kv_heads x
-      head_dim, in the engine's dtype (world size 1: the fp32 master weights' dtype).
+      head_dim, in the compute dtype (world size 1 too: the engine generates under the trainer's autocast).
     - runtime: a flat runtime_gib for what the allocator does not see (CUDA context, NCCL buffers, fragmentation).
+    engine="vllm" (rollout.VLLMEngine) replaces engine_weights and kv_cache: vllm_awake = gpu_memory_utilization
+    x gpu_gib (vLLM takes exactly that while awake: its weights / gen_tp, KV cache, activations), vllm_asleep ~1
+    GiB kept through training (measured 0.9 GiB on an H200: CUDA-graph pool), sync_bucket = one bucket of the
+    weight push (weight_sync_bucket_mb, full tensors in compute dtype). Its KV capacity goes to the notes.
     """
     m = model_cfg
-    tp, sp = cfg.tp_size, getattr(cfg, "sp_size", 1)
+    tp, sp = cfg.tp_size, cfg.sp_size
     fsdp = world_size // tp
     dp = fsdp // sp
     w = 4 if cfg.dtype == "float32" else 2
@@ -437,8 +445,15 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     acts = local * h * w * L + one_block if cfg.gradient_checkpointing else L * one_block
     gib["activations"] = acts / GiB
     gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
-    rows = max(cfg.max_num_seqs, cfg.n)
-    gib["kv_cache"] = rows * seq * L * 2 * m.num_key_value_heads * hd * (w if sharded else 4) / GiB
+    rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
+    kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
+    gib["kv_cache"] = rows * seq * kv_token / GiB
+    vllm = engine == "vllm"
+    gib["vllm_asleep"] = 1.0 if vllm else 0.0
+    gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0
+    gib["sync_bucket"] = min(cfg.weight_sync_bucket_mb * 2**20, w * P) / GiB if vllm else 0.0
+    if vllm:
+        gib["engine_weights"] = gib["kv_cache"] = 0.0
 
     phase = {k: MEMORY_TERMS[k][0] for k in gib}
     total = {p: sum(v for k, v in gib.items() if phase[k] == p) for p in ("resident", "training", "generation")}
@@ -450,11 +465,20 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     notes = []
     if (cfg.param_offload or cfg.optimizer_offload) and not sharded:
         notes.append("param_offload/optimizer_offload act only under FSDP (world size > 1)")
-    room = ", ".join(f"TP {t}: {0.8 * gpu_gib * t - 2 * P / GiB:.0f}" for t in (1, 2, 4, 8))
-    notes.append(f"vLLM rule from the seeds, for the vLLM engine (issue 7), not the built-in one: gpu memory x "
-                 f"gpu_memory_utilization x rollout TP > 2 x params ({2 * P / GiB:.1f} GiB) + KV cache; GiB left "
-                 f"for KV per engine at 0.8 of {gpu_gib:g} GiB: {room}")
-    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "gpu_gib": gpu_gib, "num_params": P,
+    if vllm:
+        gen_tp = cfg.gen_tp
+        kv_gib = cfg.gpu_memory_utilization * gpu_gib * gen_tp - 2 * P / GiB - gen_tp  # ~1 GiB activations per GPU
+        seqs = kv_gib * GiB / (kv_token * seq)
+        notes.append(f"vLLM engine of TP {gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x {gen_tp} GPUs "
+                     f"- weights {2 * P / GiB:.1f} GiB leaves ~{kv_gib:.0f} GiB of KV cache = {seqs:.0f} sequences "
+                     f"of max length ({seq} tokens) in flight" + ("" if seqs >= cfg.n else
+                                                                 f": fewer than n={cfg.n}, raise "
+                                                                 "gpu_memory_utilization or gen_tp"))
+    else:
+        room = ", ".join(f"TP {t}: {0.8 * gpu_gib * t - 2 * P / GiB:.0f}" for t in (1, 2, 4, 8))
+        notes.append(f"with the vLLM engine (rollout_engine='vllm'), GiB left for KV per engine at "
+                     f"gpu_memory_utilization 0.8 of {gpu_gib:g} GiB: {room}")
+    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "gpu_gib": gpu_gib, "num_params": P, "engine": engine,
             "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib,
             "resident_gib": total["resident"], "training_gib": total["training"],
             "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,

@@ -1133,7 +1133,10 @@ def dry_run(cfg: Config):
     print(f"config OK ({model_cfg.architecture}, {model_cfg.num_params() / 1e9:.2f} B parameters, world size {ws})")
     for k, v in batch_arithmetic(cfg, ws, n_train).items():
         print(f"  {k}: {v}")
-    print(parallel.format_memory_plan([parallel.memory_plan(cfg, model_cfg, ws, g) for g in (80, 141)]))
+    engine = cfg.rollout_engine if cfg.rollout_engine != "auto" else (
+        "vllm" if importlib.util.find_spec("vllm") else "torch")  # what "auto" picks on a CUDA machine like this one
+    print(f"rollout engine planned for: {engine}")
+    print(parallel.format_memory_plan([parallel.memory_plan(cfg, model_cfg, ws, g, engine=engine) for g in (80, 141)]))
 
 
 def main(argv: list[str]) -> int:

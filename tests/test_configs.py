@@ -171,12 +171,29 @@ def test_memory_plan_token_budget_and_kv_knob():
 
 def test_memory_plan_single_gpu_has_no_fsdp():
     # world size 1: full fp32 copies, autocast's bf16 copy while training, the engine shares the trainer's fp32
-    # weights (no second copy, fp32 KV cache), and offload does not apply
+    # weights (no second copy; its KV cache is bf16, generated under autocast), and offload does not apply
     p = parallel.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
     b = plan_bytes(p)
     assert (b["params"], b["grads"], b["optimizer"]) == (4 * 202_304, 4 * 202_304, 8 * 202_304)
-    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (2 * 202_304, 0, 2 * 131_072)
+    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (2 * 202_304, 0, 131_072)
     assert p["host_gib"] == 0 and any("world size > 1" in n for n in p["notes"])
+
+
+def test_memory_plan_with_the_vllm_engine():
+    """vLLM replaces the built-in engine's weight copy and KV cache by its awake pool (utilization x GPU), ~1 GiB
+    while asleep, and one push bucket; the note gives its KV capacity in full-length sequences, by hand."""
+    cfg = tiny_cfg(gpu_memory_utilization=0.5, weight_sync_bucket_mb=1, gen_tp=2)
+    torch_plan = parallel.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0)
+    p = parallel.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
+    g = p["gib"]
+    assert (g["engine_weights"], g["kv_cache"], g["vllm_asleep"], g["vllm_awake"]) == (0, 0, 1.0, 40.0)
+    assert g["sync_bucket"] == pytest.approx(min(2**20, 2 * 202_304) / GiB)
+    assert p["resident_gib"] == pytest.approx(torch_plan["resident_gib"] - torch_plan["gib"]["engine_weights"] + 1.0)
+    assert p["generation_gib"] == pytest.approx(40.0 + g["sync_bucket"])
+    kv_gib = 0.5 * 80 * 2 - 2 * 202_304 / GiB - 2
+    seq = cfg.max_prompt_length + cfg.max_response_length
+    seqs = kv_gib * GiB / (2 * 2 * 2 * 16 * 2 * seq)  # layers x (k, v) x kv_heads x head_dim x bf16
+    assert any(f"~{kv_gib:.0f} GiB of KV cache = {seqs:.0f} sequences" in n for n in p["notes"])
 
 
 def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():

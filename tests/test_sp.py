@@ -108,13 +108,9 @@ def test_compiled_blocks_match_eager():
 
 
 def test_memory_plan_divides_activations_by_sp():
-    """tests/test_configs.py's tiny model by hand, at world 8 = dp 2 x sp 2 x tp 2 (Config has no sp_size yet:
-    the plan reads attributes, so a namespace with one stands in)."""
-    import types
-    from dataclasses import asdict
-
+    """tests/test_configs.py's tiny model by hand, at world 8 = dp 2 x sp 2 x tp 2."""
     from test_configs import GiB, plan_bytes, tiny_cfg, tiny_model
-    with_sp = lambda **kw: types.SimpleNamespace(**asdict(tiny_cfg(**kw)), sp_size=2)  # noqa: E731
+    with_sp = lambda **kw: tiny_cfg(**kw, sp_size=2)  # noqa: E731
     base = plan_bytes(parallel.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0))
     p = parallel.memory_plan(with_sp(), tiny_model(), 8, 80, runtime_gib=0)
     b = plan_bytes(p)
