@@ -21,9 +21,10 @@
 # Expected result: the seed reports none and it is not measured yet; val/acc (greedy, GSM8K test) should rise
 # from the instruct model's starting accuracy, which val_before_train logs at step 0.
 #
-# Seed settings nanodapo cannot honour yet:
-# - rollout TP 2, gpu_memory_utilization 0.6, rollout.name vllm: in-process vLLM engine, not built yet (issue 7); the
-#   built-in engine generates instead (a 0.5B model: ~1 GiB of weights and ~4.5 GiB of KV cache per device).
+# Seed settings, and how nanodapo takes them:
+# - rollout.name vllm with TP 2 and gpu_memory_utilization 0.6: set below; rollout_engine "auto" picks the vLLM engine
+#   on CUDA when vllm is installed and the built-in engine otherwise (on an NPU pass --rollout_engine=vllm where
+#   vllm-ascend is installed, with VLLM_ASCEND_ENABLE_NZ=0 for in-place weight reload; untested here).
 # - ref.fsdp_config.param_offload=True while the actor is not offloaded: nanodapo's reference model follows the
 #   actor's offload setting, so it stays on the device (0.5B parameters: 0.1 GiB per device in fp32 shards).
 # - trainer.device=npu: device="auto" picks the NPU where torch_npu is installed (set device="npu" to insist).
@@ -81,6 +82,10 @@ top_p = 1.0
 top_k = -1
 val_n = 1
 val_do_sample = False
+
+# rollout: vLLM (rollout_engine "auto" on CUDA with vllm installed), two GPUs per engine
+gen_tp = 2
+gpu_memory_utilization = 0.6
 
 # parallelism and device
 device = "auto"

@@ -19,17 +19,14 @@
 # sampling (filter_groups=False). Here that is val/acc on aime-2024.parquet (30 problems; val_n=1 is noisy, pass
 # --val_n=32 for an average over 32 samples). Not yet reproduced with nanodapo.
 #
-# Seed settings nanodapo cannot honour yet:
-# - rollout TP 4, gpu_memory_utilization 0.8, enable_chunked_prefill, max_num_batched_tokens 22528: these configure
-#   the in-process vLLM engine, which is not built yet (issue 7); the built-in engine generates instead. It keeps a
-#   full bf16 copy of the weights on every GPU (61 GiB here) and preallocates its KV cache for max_num_seqs rows x
-#   22528 positions (256 KiB a position for this model, 5.5 GiB a row). 16 rows (one group of n) is its floor, so
-#   the --dry_run planner puts the generation peak at ~152 GiB: this recipe does not fit on 80 or 141 GiB GPUs with
-#   the built-in engine. It needs the vLLM engine (paged KV, weights split 4 ways), or a shorter max_response_length.
-# - ulysses sequence parallel size 8: not built yet (issue 6). It costs no memory per GPU at this token budget:
-#   verl multiplies ppo_max_token_len_per_gpu by the sp size for the sp group, so each GPU holds activations for
-#   ~22528 tokens either way (the planner: ~21 GiB with checkpointing, + 7.6 GiB of gathered weights). What sp
-#   adds is room for a sequence longer than one GPU's budget; here prompt + response = 22528 just fits one GPU.
+# Rollout: the in-process vLLM engine with the seed's settings (TP 4: 32 engines of 4 GPUs, gpu_memory_utilization
+# 0.8, chunked prefill, max_num_batched_tokens 22528). While it is awake it takes 0.8 of each GPU; the trainer's
+# states are offloaded to the host (as in the seed), so what stays on the GPU next to it is small. The built-in
+# engine cannot run this recipe: a full bf16 weight copy per GPU (61 GiB) plus a static KV cache of 5.5 GiB per
+# row does not fit (python train_dapo.py configs/qwen32b.py --dry_run --rollout_engine=torch shows it).
+# Ulysses sequence parallel size 8, as in the seed: the 8 GPUs of a node split each micro-batch's tokens; the token
+# budgets stay per GPU (verl's convention), so an SP group's micro-batch is 8 x 22528 tokens.
+# Seed settings nanodapo does not take:
 # - ref.fsdp_config.param_offload: no reference model is built (no KL term), so there is nothing to offload.
 # - trainer.logger vemlp_wandb (Volcano Engine's platform): use logger = ["console", "jsonl", "wandb"] for wandb.
 # Seed 001's script sets val_kwargs.top_p=1.0; the recipe in REFERENCE.md (and verl's recipe script) uses 0.7: 0.7.
@@ -86,9 +83,17 @@ val_temperature = 1.0
 val_top_p = 0.7
 val_top_k = -1
 val_do_sample = True
-max_num_seqs = 16  # built-in engine: one group of n per wave (see above)
 
-# parallelism: FSDP over all 128 GPUs, params + grads + AdamW states offloaded to the host
+# rollout: in-process vLLM
+rollout_engine = "vllm"
+gen_tp = 4
+gpu_memory_utilization = 0.8
+enable_chunked_prefill = True
+max_num_batched_tokens = 22528
+max_num_seqs = 256
+
+# parallelism: FSDP over all 128 GPUs (dp 16 x sp 8), params + grads + AdamW states offloaded to the host
+sp_size = 8
 param_offload = True
 optimizer_offload = True
 nnodes = 16

@@ -23,10 +23,10 @@
 #
 # Same recipe as configs/qwen2.5_7b_dapo.py, except: responses of 16384 tokens (Qwen3 thinks long) with the
 # overlong penalty over the last 4096, and validation with Qwen3's recommended thinking-mode sampling
-# (T 0.6, top_p 0.95, top_k 20). Rollout TP / gpu_memory_utilization / chunked prefill belong to the vLLM
-# engine (issue 7, not built yet: the built-in engine is used); sequence parallelism is not built yet (issue 6).
-# The --dry_run planner: peak ~74 GiB per GPU on 80 GiB (KV cache of 16 rows x 18432 positions: 40.5 GiB).
-# On 141 GiB GPUs pass --max_num_seqs=32.
+# (T 0.6, top_p 0.95, top_k 20). Rollout: the in-process vLLM engine, two engines of TP 4 per node at
+# gpu_memory_utilization 0.6 (rollout_engine='torch' for the built-in engine).
+# The --dry_run planner: peak ~68 GiB per GPU on 80 GiB while vLLM is awake (~173 GiB of KV cache per engine:
+# ~68 full-length sequences in flight); on 141 GiB GPUs ~104 GiB.
 
 import os
 
@@ -78,7 +78,13 @@ val_temperature = 0.6
 val_top_p = 0.95
 val_top_k = 20
 val_do_sample = True
-max_num_seqs = 16  # built-in engine rows per wave: one group of 16
+
+# rollout: in-process vLLM
+rollout_engine = "vllm"
+gen_tp = 4
+gpu_memory_utilization = 0.6
+enable_chunked_prefill = True
+max_num_seqs = 256
 
 # parallelism
 nnodes = 1

@@ -34,7 +34,7 @@ def test_qwen32b_batch_arithmetic_at_128_gpus():
     assert a["prompts_per_generation_round"] == 1536  # gen_batch_size = 3 x 512
     assert a["trajectories_per_step"] == 8192  # 512 groups x 16
     assert a["optimizer_steps_per_step"] == 16  # 512 / 32 groups per mini-batch, 1 epoch
-    assert a["per_rank_mini_batch"] == 4  # 32 x 16 / 128
+    assert a["per_rank_mini_batch"] == 32  # 32 x 16 / dp 16 (128 GPUs = dp 16 x sp 8: an SP group shares data)
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if os.path.basename(p) != "tiny.py"], ids=os.path.basename)
@@ -199,9 +199,9 @@ def test_memory_plan_with_the_vllm_engine():
 def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
     cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen32b.py")])
     mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])
-    plans = [parallel.memory_plan(cfg, mc, 128, g) for g in (80, 141)]
+    plans = [parallel.memory_plan(cfg, mc, 128, g, engine="vllm") for g in (80, 141)]
     text = parallel.format_memory_plan(plans)
-    assert "80 GiB" in text and "141 GiB" in text and "world 128 = dp 128 x tp 1" in text
+    assert "80 GiB" in text and "141 GiB" in text and "world 128 = dp 16 x sp 8 x tp 1" in text
     for _, label in parallel.MEMORY_TERMS.values():
         assert label in text
     for p in plans:
