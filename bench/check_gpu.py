@@ -82,7 +82,7 @@ def small_cfg(**kw):
     return M.ModelConfig(**d)
 
 
-print(RES["info"], "varlen available:", M._varlen_available(dev), flush=True)
+print(RES["info"], "varlen available:", M._varlen_available(dev.type), flush=True)
 if cuda:
     try:
         import inspect
