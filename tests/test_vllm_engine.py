@@ -4,6 +4,7 @@ cycle, request construction, and the trainer's wake -> push -> generate -> sleep
 real vLLM (log-prob agreement in bf16, sleep/wake on a GPU) is in tests/test_gpu.py."""
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -169,3 +170,23 @@ def test_vllm_config_checks():
             R.resolve_engine("vllm", "cuda")
     with pytest.raises(ValueError, match="rollout_engine='tpu'"):
         R.resolve_engine("tpu", "cuda")
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_single_rank_gets_a_process_group_for_vllm_without_hanging(launcher):
+    """vLLM's external_launcher needs a process group. Under torchrun --nproc-per-node 1 a tcp:// group waited on
+    torchrun's agent store for ever (seen on the H200; it reproduces on the CPU); env:// joins that store."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.path.insert(0, %r); import rollout, torch.distributed as dist; "
+            "rollout._ensure_process_group(); print('world', dist.get_world_size())" % root)
+    cmd = [sys.executable, "-c", code]
+    if launcher == "torchrun":
+        script = os.path.join(os.environ.get("TMPDIR", "/tmp"), "nanodapo_pg_check.py")
+        with open(script, "w") as f:
+            f.write(code)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", script]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "world 1" in r.stdout, r.stdout + r.stderr[-2000:]
