@@ -3,7 +3,6 @@ and arithmetic parquet files in verl's schema. Everything is built in the test; 
 import json
 
 import pytest
-import torch
 
 import data
 import model as M

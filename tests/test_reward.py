@@ -1,7 +1,6 @@
 """Specification of reward.py: verl's rule verifiers, custom reward functions, the overlong penalty,
 and the worker pool that scores a batch with a per-call timeout. Expected values are written by hand;
 cases marked "verl:" were checked against verl's reward_score/math_dapo.py or gsm8k.py source."""
-import math
 import time
 
 import numpy as np
