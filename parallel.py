@@ -248,8 +248,8 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
     from torch.distributed.tensor import DTensor
     bucket, size = [], 0
     for name, p in model.named_parameters():
-        t = p.detach()
-        t = (t.full_tensor() if isinstance(t, DTensor) else t).to(dtype)
+        t = p.detach().to(dtype)  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
+        t = t.full_tensor() if isinstance(t, DTensor) else t
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:

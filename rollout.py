@@ -121,8 +121,8 @@ class TorchEngine:
     def sleep(self):
         """Free the KV cache and graphs; the weights stay (they are the trainer's, or a copy we keep)."""
         self._cache, self._io, self._graphs, self._pool = None, None, {}, None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if self.device.type != "cpu":
+            torch.get_device_module(self.device.type).empty_cache()
 
     def wake_up(self, tags=None):
         pass  # the cache is allocated lazily by generate
@@ -378,7 +378,7 @@ class VLLMEngine:
         self.awake = {"weights", "kv_cache"}
         free_before = free_device_memory()
         self.sleep()
-        self.kv_bytes = free_device_memory() - free_before  # what waking up must find free again
+        self.awake_bytes = free_device_memory() - free_before  # weights + KV cache: what waking must find free
 
     def sleep(self):
         if self.awake:
@@ -390,8 +390,8 @@ class VLLMEngine:
         if not tags:
             return
         free = free_device_memory()
-        if not self.awake and free < 0.95 * self.kv_bytes:  # checked before the first tag of a cycle wakes
-            raise RuntimeError(f"vLLM needs ~{self.kv_bytes / 2**30:.1f} GiB back (weights + KV cache) to wake up "
+        if not self.awake and free < 0.95 * self.awake_bytes:  # checked before the first tag of a cycle wakes
+            raise RuntimeError(f"vLLM needs ~{self.awake_bytes / 2**30:.1f} GiB back (weights + KV cache) to wake up "
                                f"but only {free / 2**30:.1f} GiB are free next to training: lower "
                                "gpu_memory_utilization, or turn on param_offload / optimizer_offload")
         self.llm.wake_up(tags=tags)

@@ -909,10 +909,10 @@ def train(cfg: Config):
                             max_num_batched_tokens=cfg.max_num_batched_tokens or None, seed=cfg.seed,
                             dtype=cfg.dtype, engine_kwargs=cfg.vllm_kwargs)
         log(f"rollout engine: vLLM, {dims.world_size // gen_tp} engine(s) of TP {gen_tp}, started in "
-            f"{time.perf_counter() - t0:.0f} s; {engine.kv_bytes / 2**30:.1f} GiB each while awake")
+            f"{time.perf_counter() - t0:.0f} s; {engine.awake_bytes / 2**30:.1f} GiB each while awake")
 
-    # the policy: fp32 master weights. One device: plain module under autocast. Several: TP and/or FSDP2
-    # shards with bf16 compute; the rollout engine then needs its own full copy, refreshed every step.
+    # the policy: fp32 master weights. One device: plain module under autocast. Several: TP / SP / FSDP2 shards
+    # with bf16 compute; a rollout engine then holds its own weights, pushed from these before every rollout.
     sharded = dims.world_size > 1
     shard = (lambda m: parallel.parallelize(m, dims, param_dtype=compute_dtype,  # noqa: E731
                                             offload=cfg.param_offload or cfg.optimizer_offload,
@@ -985,7 +985,8 @@ def train(cfg: Config):
                                                     seed=seed + 100003 * e, group_offset=group_offset + lo,
                                                     version=version["policy"], **sampling)
         engine.sleep()
-        parts = engine_results(parallel.all_gather_objects((traj, texts, stats), dims), gen_tp)
+        mine = (traj, texts, stats) if dims.rank % gen_tp == 0 else None  # the TP ranks of an engine hold copies
+        parts = engine_results(parallel.all_gather_objects(mine, dims), gen_tp)
         traj = concat_trajectories([p[0] for p in parts if len(p[0])], cfg.max_response_length)
         stats = {key: sum(p[2][key] for p in parts) for key in stats}
         stats["gen_s"], stats["reward_s"], stats["sync_s"] = parts[0][2]["gen_s"], parts[0][2]["reward_s"], t_sync

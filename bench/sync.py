@@ -17,8 +17,8 @@ CPU smoke tests (tiny model; buckets in KiB-sized fractions of a MB):
 
 Setups. One process (no torchrun): the trainer's model is a plain fp32 module on the GPU (master weights, as
 the trainer keeps them). torchrun: parallel.init_distributed + parallel.parallelize (FSDP2 over all ranks,
-fp32 shards, bf16 compute), so iter_full_weights all-gathers each parameter (DTensor.full_tensor, in fp32,
-then casts to bf16) and the gather is part of the time; every rank pushes into its own engine.
+fp32 shards, bf16 compute), so iter_full_weights all-gathers each parameter (its shard cast to bf16, then
+DTensor.full_tensor) and the gather is part of the time; every rank pushes into its own engine.
 Engines. --engine torch: rollout.TorchEngine(shares_weights=False) on a separate bf16 copy of the model, as
 train_dapo.py builds it when sharded. --engine vllm: rollout.VLLMEngine (see make_vllm_engine below: the
 arguments are the trainer's, and it is built before the trainer's model, as the trainer does); per push the
@@ -33,9 +33,9 @@ Floors, from bandwidths measured in this run (median of CUDA-event timed repeats
   floor     (4 N + 2 N) / copy_bw: read every fp32 master weight once and write its bf16 copy once, N = parameters
             (the tied output head counted once, as the engine receives it)
   torchrun: gather_bw = all_gather_into_tensor of 1 GiB (bf16) per rank, bus bandwidth = bytes * (w-1)/w / time;
-            gather_floor = 4 N * (w-1)/w / gather_bw (fp32 shards, as iter_full_weights gathers them), and
-            gather_floor_bf16 = the same for bf16 shards (2 N): what a cast-before-gather would cost.
-Headline (last line): push seconds at 512 MB, and push / floor (torchrun: also push / (floor + gather_floor)).
+            gather_floor_bf16 = 2 N * (w-1)/w / gather_bw (bf16 shards, as iter_full_weights gathers them), and
+            gather_floor = the same for fp32 shards (4 N): what gathering before the cast would cost.
+Headline (last line): push seconds at 512 MB, and push / floor (torchrun: also push / (floor + gather_floor_bf16)).
 Writes --out (JSON; default $OUT/sync.json or ./bench_sync.json), rank 0 only.
 """
 import argparse
@@ -282,7 +282,7 @@ for mb in [float(x) for x in args.buckets.split(",")]:
         row["iterate_median_s"] = statistics.median(row["iterate_s"])
         row["push_over_floor"] = row["push_median_s"] / RES["floor_s"]
         if W > 1:
-            row["push_over_floor_with_gather"] = row["push_median_s"] / (RES["floor_s"] + RES["gather_floor_s"])
+            row["push_over_floor_with_gather"] = row["push_median_s"] / (RES["floor_s"] + RES["gather_floor_bf16_s"])
         log(f"bucket {name:>8s} ({row['buckets']} buckets): push {row['push_median_s'] * 1e3:9.2f} ms "
             f"(iterate only {row['iterate_median_s'] * 1e3:9.2f} ms, wake {statistics.median(row['wake_weights_s']) * 1e3:.2f} "
             f"ms, sleep {statistics.median(row['sleep_s']) * 1e3:.2f} ms) = {row['push_over_floor']:.1f}x floor", flush=True)
@@ -318,8 +318,8 @@ if main:
     if head and "push_median_s" in head:
         RES["headline"] = {"bucket_MB": head["bucket_MB"], "push_s": head["push_median_s"],
                            "floor_s": RES["floor_s"], "push_over_floor": head["push_over_floor"]}
-        g = (f", {head['push_over_floor_with_gather']:.1f}x (floor + fp32 gather floor "
-             f"{(RES['floor_s'] + RES['gather_floor_s']) * 1e3:.2f} ms)") if W > 1 else ""
+        g = (f", {head['push_over_floor_with_gather']:.1f}x (floor + bf16 gather floor "
+             f"{(RES['floor_s'] + RES['gather_floor_bf16_s']) * 1e3:.2f} ms)") if W > 1 else ""
         print(f"HEADLINE push at {head['bucket_MB']:g} MB: {head['push_median_s']:.4f} s = "
               f"{head['push_over_floor']:.1f}x the floor {RES['floor_s'] * 1e3:.2f} ms{g} "
               f"({args.engine} engine, {'1 process' if W == 1 else f'FSDP2 x {W}'})")

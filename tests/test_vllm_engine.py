@@ -119,7 +119,7 @@ def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
     free = iter([1 * 2**30, 9 * 2**30, 2 * 2**30])  # before sleep, after sleep (8 GiB released), at wake
     install(monkeypatch, free_bytes=lambda: next(free))
     eng = R.VLLMEngine(str(make_model_dir(tmp_path / "m")), max_model_len=64)
-    assert eng.kv_bytes == 8 * 2**30
+    assert eng.awake_bytes == 8 * 2**30
     with pytest.raises(RuntimeError, match="needs ~8.0 GiB back .* only 2.0 GiB are free.*gpu_memory_utilization"):
         eng.wake_up(["weights"])
 
