@@ -264,11 +264,11 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
     FSDP-sharded, 2-D), which torch's foreach version refuses. Returns the norm before clipping."""
     from torch.distributed.tensor import DTensor
     grads = [p.grad for p in parameters if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        n = g.detach().float().norm()
-        sq += (n.full_tensor() if isinstance(n, DTensor) else n).double().cpu() ** 2
-    total = sq.sqrt().item()
+    if not grads:
+        return 0.0
+    norms = [g.detach().float().norm() for g in grads]
+    norms = [(n.full_tensor() if isinstance(n, DTensor) else n).double() for n in norms]
+    total = torch.stack(norms).square().sum().sqrt().item()  # one host sync for the whole model
     if math.isfinite(total) and total > max_norm:
         for g in grads:
             g.detach().mul_(max_norm / (total + 1e-6))

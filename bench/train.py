@@ -83,6 +83,8 @@ p.add_argument("--rows", default="update,bare,bare_bf16,hf,hf_bf16",
                     "hf (transformers, autocast), hf_bf16")
 p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--profile", action="store_true",
+               help="after timing, profile one more step of each row (torch.profiler): kernel time by kind, top kernels")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 if args.tiny:
@@ -251,6 +253,57 @@ def hf_padded():
 # timing
 
 
+KERNEL_KINDS = (  # first match wins; names of CUDA kernels (cuBLAS/CUTLASS/nvjet GEMMs, flash attention, torch's own)
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "addmm", "aten::mm", "mmbackward")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy/cast", ("copy", "cast", "convert", "fill")),
+    ("reduction (softmax, norms, sums)", ("reduce", "softmax", "norm", "logsumexp", "cross_entropy")),
+    ("elementwise", ("elementwise", "vectorized", "index", "gather", "scatter")),
+    ("communication", ("nccl",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "other")
+
+
+def profile_step(step_fn) -> dict:
+    """One step under torch.profiler: the wall time, the summed kernel time by kind (GPU: device kernels;
+    CPU: operators' self time) and the top 12 kernels. Kernel time below wall time = the GPU waited on the host."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        step_fn()
+        sync()
+        wall = time.perf_counter() - t
+    if cuda:
+        evts = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        us = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in evts]
+    else:
+        evts = list(prof.key_averages())
+        us = [e.self_cpu_time_total for e in evts]
+    total = sum(us) / 1e6
+    kinds = {}
+    for e, u in zip(evts, us):
+        k = kernel_kind(e.key)
+        kinds[k] = kinds.get(k, 0.0) + u / 1e6
+    top = sorted(zip(evts, us), key=lambda x: -x[1])[:12]
+    out = {"wall_s (profiled, slower)": round(wall, 4), "kernel_s": round(total, 4),
+           "kernel_busy_fraction": round(total / wall, 3),
+           "by_kind_s": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda x: -x[1])},
+           "top_kernels": [{"name": e.key[:160], "s": round(u / 1e6, 4), "calls": e.count, "kind": kernel_kind(e.key)}
+                           for e, u in top]}
+    print(f"  profile: wall {wall:.3f} s, kernels {total:.3f} s ({total / wall:.0%} busy); by kind: " +
+          ", ".join(f"{k} {v:.3f}" for k, v in out["by_kind_s"].items()))
+    for k in out["top_kernels"][:8]:
+        print(f"    {k['s']:8.4f} s  x{k['calls']:<5d} [{k['kind']}] {k['name'][:110]}")
+    return out
+
+
 def time_steps(name, step_fn, model_params, extra=None):
     """warmup + repeats optimizer steps; record the row."""
     row = {"name": name, **(extra or {})}
@@ -276,6 +329,8 @@ def time_steps(name, step_fn, model_params, extra=None):
             row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
         print(f"{name:28s} step {dt:7.3f} s  {row['tokens_per_s']:10.0f} tok/s  MFU {row['MFU']:.3f}  "
               f"(steps {row['step_s']}, peak {row.get('peak_alloc_GiB')} GiB, loss {row['loss']:.4f})", flush=True)
+        if args.profile:
+            row["profile"] = profile_step(step_fn)
     except Exception as e:  # an OOM or a failure costs one row, not the table
         traceback.print_exc()
         RES["errors"][name] = repr(e)[:2000]

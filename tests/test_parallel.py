@@ -103,3 +103,22 @@ def test_tp_size_must_divide_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="tp_size=2 must divide the world size 3"):
         parallel.init_distributed("cpu", tp=2)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_matches_torch(max_norm):
+    """The global norm and the clipped gradients equal torch's clip_grad_norm_ on plain tensors; parameters
+    without a gradient are skipped."""
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.zeros(s)) for s in [(3, 4), (5,), (2, 2, 2), (1,)]]
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in [(3, 4), (5,), (2, 2, 2), (1,)]]
+    for a, b in zip(ours[:3], ref[:3]):
+        a.grad = torch.randn(a.shape, generator=g)
+        b.grad = a.grad.clone()
+    norm = parallel.clip_grad_norm_(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    assert norm == pytest.approx(float(expected), rel=1e-6)
+    for a, b in zip(ours[:3], ref[:3]):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    assert ours[3].grad is None
+    assert parallel.clip_grad_norm_([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0
