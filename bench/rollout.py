@@ -284,16 +284,11 @@ def bench_vllm():
     from the benchmark model), timed two ways on the same engine: "vLLM" = bare llm.generate (n=1 requests,
     no log-probs), "nd-vLLM" = the wrapper's generate as the trainer calls it (per-request seeds, sampled
     log-probs, Completion objects)."""
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533",
-                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0",
+    for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1",
                  "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}.items():
         os.environ.setdefault(k, v)
-    import torch.distributed as dist
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if not dist.is_initialized():
-        dist.init_process_group(backend="cuda:nccl,cpu:gloo")
-    import vllm
+    import vllm  # rollout.VLLMEngine makes the process group of one that external_launcher joins
     from vllm import SamplingParams
 
     import parallel

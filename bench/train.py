@@ -26,6 +26,9 @@ Rows:
                           gradient_checkpointing_enable(use_reentrant=False), each micro-batch right-padded
                           to its longest sequence with an attention mask, labels = response tokens (-100
                           elsewhere), loss = out.loss weighted to a token-mean over the step, backward, AdamW.
+  nanodapo update compiled  (--rows update_compiled) the update_policy row with each decoder block torch.compile'd
+                          (parallel.apply_compile, what compile=True does in sharded runs): fuses the element-wise
+                          work around the matmuls.
   "autocast" = fp32 weights + torch.autocast(bf16) (what the trainer and HF Trainer(bf16=True) do);
   "bf16" = bf16 weights, gradients and AdamW states (the ceiling without casts; not what the trainer runs).
 
@@ -80,7 +83,8 @@ p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--repeats", type=int, default=4)
 p.add_argument("--rows", default="update,bare,bare_bf16,hf,hf_bf16",
                help="comma list: update (nanodapo update_policy, autocast), bare (nanodapo, autocast), bare_bf16, "
-                    "hf (transformers, autocast), hf_bf16")
+                    "update_compiled (update_policy with each block torch.compile'd), hf (transformers, autocast), "
+                    "hf_bf16")
 p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--profile", action="store_true",
@@ -383,7 +387,7 @@ def bare_step_fn(m, opt, packed, ctx):
     return step
 
 
-if "update" in rows:
+def update_row(name, precision):
     traj, tcfg = build_traj(), trainer_cfg()
     dims = parallel.ParallelDims(world_size=1, rank=0, local_rank=0, tp=1, device=device)
     opt = torch.optim.AdamW(nano.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
@@ -393,14 +397,17 @@ if "update" in rows:
     def update_step():
         last.update(T.update_policy(nano, opt, sched, traj, tcfg, ctx_auto, dims))
         return last.get("actor/pg_loss", float("nan"))
-    r = time_steps("nanodapo update_policy", update_step, list(nano.parameters()),
-                   {"impl": "nanodapo", "loop": "train_dapo.update_policy", "precision": "fp32 master + bf16 autocast"})
+    r = time_steps(name, update_step, list(nano.parameters()),
+                   {"impl": "nanodapo", "loop": "train_dapo.update_policy", "precision": precision})
     r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
     r["metrics_last_step"] = {k: v for k, v in last.items() if isinstance(v, (int, float))}
-    del opt, sched
-    nano.zero_grad(set_to_none=True)
+    nano.zero_grad(set_to_none=True)  # the optimizer's states go with this function's scope
     reset_weights(nano)
     free()
+
+
+if "update" in rows:
+    update_row("nanodapo update_policy", "fp32 master + bf16 autocast")
 
 if "bare" in rows:
     opt = torch.optim.AdamW(nano.parameters(), lr=1e-6, weight_decay=0.1)
@@ -423,6 +430,12 @@ if "bare_bf16" in rows:
     r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
     del opt, nb
     free()
+
+if "update_compiled" in rows:  # last of the nanodapo rows: compiling changes the blocks in place
+    t0 = time.perf_counter()
+    parallel.apply_compile(nano)  # what compile=True does in sharded runs: torch.compile of each decoder block
+    update_row("nanodapo update compiled", "autocast, blocks torch.compile'd")
+    RES["rows"]["nanodapo update compiled"]["row_wall_s_with_compile"] = round(time.perf_counter() - t0, 1)
 
 # -----------------------------------------------------------------------------
 # transformers rows

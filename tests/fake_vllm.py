@@ -1,10 +1,11 @@
 """A stand-in for the few pieces of vllm that rollout.VLLMEngine touches, backed by model.py on the CPU.
 
 It behaves like the real engine where the trainer depends on it: "dummy" random weights at start, sleep(2)
-destroys the weights, load_weights takes HF-named full tensors, each request is sampled with its own seed,
+destroys the weights, load_weights takes HF-named full tensors, requests sample from the process's RNG,
 and the sampled token's log-prob comes back per position. It records every call, so the CPU tests can check
 the engine's bookkeeping and the trainer's choreography (wake, push, generate, sleep) without a GPU."""
 import importlib.machinery
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -16,7 +17,8 @@ import rollout as R
 
 
 class SamplingParams:
-    def __init__(self, **kw):
+    def __init__(self, seed=None, **kw):
+        self.seed = seed
         self.__dict__.update(kw)
 
 
@@ -25,6 +27,8 @@ class LLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.awake = kwargs, [], {"weights", "kv_cache"}
+        if kwargs.get("distributed_executor_backend") == "external_launcher":  # as vLLM's executor reads them
+            self.rank, self.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         self.model = M.Transformer(M.load_config(kwargs["model"])).init_weights(seed=12345).eval()  # "dummy"
         LLM.instances.append(self)
 
@@ -66,11 +70,17 @@ class LLM:
             c = engine.generate([req["prompt_token_ids"]], R.SamplingParams(
                 n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
                 max_tokens=sp.max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-                seed=sp.seed))[0][0]
+                seed=sp.seed if sp.seed is not None else fake_request_seed()))[0][0]
             logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(c.token_ids, c.logprobs)]
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(c.token_ids), logprobs=logprobs,
                                                                  finish_reason=c.finish_reason)]))
         return outs
+
+
+def fake_request_seed() -> int:
+    """A request without a seed samples from the process's RNG, as vLLM's sampler draws from the device's
+    default generator: here one draw from torch's global generator per request."""
+    return int(torch.randint(0, 2**31 - 1, (1,)))
 
 
 def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
@@ -80,6 +90,9 @@ def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
     module.LLM, module.SamplingParams = LLM, SamplingParams
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setattr(R, "free_device_memory", free_bytes)
-    monkeypatch.setattr(R, "_ensure_process_group", lambda: None)  # the CPU tests stay a plain process
+    # the CPU tests stay a plain process without a group; the environment is what _ensure_process_group leaves
+    # for vLLM (test_a_single_rank_gets_a_process_group_for_vllm_without_hanging checks the real one)
+    monkeypatch.setattr(R, "_ensure_process_group", lambda: [monkeypatch.setenv(k, os.environ.get(k, "0"))
+                                                             for k in ("RANK", "LOCAL_RANK")])
     LLM.instances.clear()
     return module

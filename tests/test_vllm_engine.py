@@ -1,7 +1,7 @@
 """The vLLM engine's bookkeeping on the CPU, through tests/fake_vllm.py (a stand-in backed by model.py):
 prompt sharding over engines and the gather order, weight versions and stale-weight errors, the memory
 cycle, request construction, and the trainer's wake -> push -> generate -> sleep choreography. What needs
-real vLLM (log-prob agreement in bf16, sleep/wake on a GPU) is in tests/test_gpu.py."""
+real vLLM (log-prob agreement in bf16, sleep/wake on a GPU) is in tests/test_vllm_gpu.py and tests/vllm_check.py."""
 import importlib.util
 import json
 import os
@@ -97,16 +97,24 @@ def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
     assert llm.calls[1] == ("wake_up", ("weights",)) and ("reset_prefix_cache",) in llm.calls
     assert llm.calls[-2:] == [("wake_up", ("kv_cache",)), ("generate", 6)]  # n=3 x 2 prompts, one request each
 
-    # per prompt, n completions in order; each sample is request i*n+j with seed 11 + i*n + j
+    # per prompt, n completions in order: sample i*n+j is request i*n+j, whose sampler the call's seed set
+    # (no per-request seeds: vLLM samples those one request at a time)
     ref = R.TorchEngine(trainer, use_cuda_graph=False)
+    torch.manual_seed(11)
     for i, comps in enumerate(out):
         assert len(comps) == 3
         for j, c in enumerate(comps):
             want = ref.generate([prompts[i]], R.SamplingParams(n=1, temperature=1.0, max_tokens=6,
-                                                                 seed=11 + 3 * i + j, stop_token_ids=[2]))[0][0]
+                                                                 seed=fake_vllm.fake_request_seed(),
+                                                                 stop_token_ids=[2]))[0][0]
             assert (c.token_ids, c.finish_reason) == (want.token_ids, want.finish_reason)
             assert c.logprobs == pytest.approx(want.logprobs, abs=1e-6)
-    assert len({tuple(c.token_ids) for c in out[0]}) > 1  # distinct seeds: distinct samples
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1  # one RNG stream: distinct samples within a group
+    again = eng.generate(prompts, params, version=0)
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in out]  # the seed rules
+    other = eng.generate(prompts, R.SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=12, stop_token_ids=[2]),
+                         version=0)
+    assert [[c.token_ids for c in g] for g in other] != [[c.token_ids for c in g] for g in out]
 
     eng.sleep()  # level 2: the weights are gone, so the version is too
     assert llm.calls[-1] == ("sleep", 2) and eng.weights_version is None
@@ -174,19 +182,23 @@ def test_vllm_config_checks():
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_a_single_rank_gets_a_process_group_for_vllm_without_hanging(launcher):
-    """vLLM's external_launcher needs a process group. Under torchrun --nproc-per-node 1 a tcp:// group waited on
-    torchrun's agent store for ever (seen on the H200; it reproduces on the CPU); env:// joins that store."""
+    """vLLM's external_launcher needs a process group and reads RANK and LOCAL_RANK from the environment (a plain
+    `python3 train_dapo.py` run failed with KeyError: 'RANK' on the H200). Under torchrun --nproc-per-node 1 a
+    tcp:// group waited on torchrun's agent store for ever (seen on the H200; it reproduces on the CPU); env://
+    joins that store."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import sys; sys.path.insert(0, %r); import rollout, torch.distributed as dist; "
-            "rollout._ensure_process_group(); print('world', dist.get_world_size())" % root)
+            "rollout._ensure_process_group(); import os; print('world', dist.get_world_size(), "
+            "*[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')])" % root)
     cmd = [sys.executable, "-c", code]
     if launcher == "torchrun":
         script = os.path.join(os.environ.get("TMPDIR", "/tmp"), "nanodapo_pg_check.py")
         with open(script, "w") as f:
             f.write(code)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", script]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0 and "world 1" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert r.returncode == 0 and "world 1 0 0 1" in r.stdout, r.stdout + r.stderr[-2000:]

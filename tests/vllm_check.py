@@ -11,6 +11,8 @@ world_size / gen_tp engines; prompts are split over engines as the trainer split
 line "PASS|FAIL name: figures", and a JSON of the figures:
  1. after a push, the trainer's teacher-forced log-probs of vLLM's samples (T=1) vs vLLM's own:
     mean |difference| < 0.02
+ 1b. sampling with the same seed again gives the same samples (>= 90%), another seed other samples (<= 50%
+    equal), and the n samples of a group differ (T=2)
  2. greedy: vLLM's first 8 tokens == the built-in engine's (bf16 copy) for most prompts (fraction reported)
  3. sleep(2) -> wake -> push of the same weights: greedy outputs == those before sleep, exactly
  4. push of changed weights: greedy outputs change
@@ -101,6 +103,22 @@ def main():
     mad = float(sum(diffs) / len(diffs))
     check("logprobs_vs_trainer", mad < 0.02, mean_abs_diff=mad, mean_logp=float(
         (rollout_logp * traj.response_mask).sum() / traj.response_mask.sum()))
+
+    # 1b. the call's seed rules sampling (it seeds the RNG vLLM's sampler draws from; no per-request seeds):
+    # the same seed gives the same samples (up to rare bf16 near-ties: the prompts are prefix-cached now),
+    # another seed other samples, and a group's n samples differ from each other
+    # (temperature 2: a trained model's samples at T=1 can be nearly deterministic)
+    def sample(seed):
+        out = engine.generate(mine, R.SamplingParams(n=4, temperature=2.0, max_tokens=a.max_tokens, seed=seed,
+                                                     stop_token_ids=tok.eos_token_ids), version=0)
+        return [[c.token_ids for c in cs] for cs in out]
+    first, again, other = sample(1), sample(1), sample(2)
+    flat = lambda groups: [x for g in groups for x in g]  # noqa: E731
+    same_frac = sum(x == y for x, y in zip(flat(first), flat(again))) / len(flat(first))
+    other_frac = sum(x == y for x, y in zip(flat(first), flat(other))) / len(flat(first))
+    groups_distinct = sum(len({tuple(x) for x in g}) == len(g) for g in first) / len(first)
+    check("seed_reproduces_samples", same_frac >= 0.9 and other_frac <= 0.5 and groups_distinct >= 0.5,
+          same_seed_equal=same_frac, other_seed_equal=other_frac, groups_all_distinct=groups_distinct)
 
     # 2. greedy vs the built-in engine on a bf16 copy
     before = [c[0].token_ids for c in engine.generate(mine, greedy, version=0)]
