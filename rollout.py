@@ -412,18 +412,14 @@ class VLLMEngine:
         self.weights_version = version
         return nbytes
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
-                 ) -> list[list[Completion]]:
-        check_version(self.weights_version, version)
-        self.wake_up(["kv_cache"])
+    def requests(self, prompts: list[list[int]], params: SamplingParams):
+        """vLLM's (prompts, sampling params) for a generate call: one request per sample."""
         from vllm import SamplingParams as VLLMSamplingParams
-        # n samples = n requests, so the output order is ours (vLLM's prefix cache shares the prompt's KV
-        # between them). A seed per request would make vLLM sample each row with its own generator, one
-        # kernel per request and step (0.68x the tokens/s of plain requests at B=256 on the H200): instead the
-        # call's seed seeds the RNG that vLLM's sampler draws from, in this process (torch.manual_seed; the
-        # trainer draws nothing from torch's global RNG). Every rank of a TP group then samples alike.
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
+        # n samples = n requests, each with its own seed: the same on every rank of the TP group, and the
+        # output order is ours (vLLM's prefix cache shares the prompt's KV between them). Seeded requests cost
+        # nothing in vLLM's sampler (one Gumbel kernel reads every request's seed). flat_logprobs: the sampled
+        # log-probs come back as flat lists, not a dict and a Logprob object per token (Python work per token
+        # and garbage for the collector).
         requests, sampling = [], []
         for i, p in enumerate(prompts):
             for j in range(params.n):
@@ -431,16 +427,30 @@ class VLLMEngine:
                 sampling.append(VLLMSamplingParams(
                     n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
                     max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
-                    ignore_eos=params.ignore_eos, detokenize=False, logprobs=0 if params.logprobs else None))
-        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+                    ignore_eos=params.ignore_eos, detokenize=False, logprobs=0 if params.logprobs else None,
+                    flat_logprobs=True, seed=None if params.seed is None else params.seed + i * params.n + j))
+        return requests, sampling
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
+                 ) -> list[list[Completion]]:
+        check_version(self.weights_version, version)
+        self.wake_up(["kv_cache"])
+        outs = self.llm.generate(*self.requests(prompts, params), use_tqdm=False)
         flat = []
         for o in outs:
             c = o.outputs[0]
-            ids = list(c.token_ids)
-            logp = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)] if params.logprobs else None
-            flat.append(Completion(token_ids=ids, logprobs=logp,
+            logp = _sampled_logprobs(c.logprobs, c.token_ids) if params.logprobs else None
+            flat.append(Completion(token_ids=list(c.token_ids), logprobs=logp,
                                    finish_reason="stop" if c.finish_reason == "stop" else "length"))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+
+def _sampled_logprobs(lp, token_ids) -> list[float]:
+    """The sampled token's log-prob at each position of a vLLM completion: in a FlatLogprobs the first entry of
+    each position (vLLM puts the sampled token first); in a list of dicts, the sampled token's entry."""
+    if hasattr(lp, "start_indices"):
+        return [lp.logprobs[k] for k in lp.start_indices]
+    return [d[t].logprob for d, t in zip(lp, token_ids)]
 
 
 def resolve_engine(kind: str, device_type: str) -> str:

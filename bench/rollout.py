@@ -281,9 +281,10 @@ def bench_hf():
 
 def bench_vllm():
     """One vLLM engine built by nanodapo (rollout.VLLMEngine: sleep mode, processed log-probs, weights pushed
-    from the benchmark model), timed two ways on the same engine: "vLLM" = bare llm.generate (n=1 requests,
-    no log-probs), "nd-vLLM" = the wrapper's generate as the trainer calls it (per-request seeds, sampled
-    log-probs, Completion objects)."""
+    from the benchmark model), timed three ways on the same engine, interleaved: "vLLM" = bare llm.generate
+    (n=1 requests, no seeds, no log-probs), "vLLM+req" = llm.generate of the requests the wrapper builds
+    (VLLMEngine.requests: a seed per request, the sampled token's log-prob, flat log-prob lists), "nd-vLLM" =
+    the wrapper's generate as the trainer calls it (those requests + Completion objects)."""
     for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1",
                  "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}.items():
@@ -313,20 +314,25 @@ def bench_vllm():
             sp = SamplingParams(temperature=1.0, max_tokens=T, ignore_eos=True, detokenize=False)
             ours = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, seed=0)
             ps = [{"prompt_token_ids": p} for p in PROMPTS[B]]
-            bare, wrapped = [], []
+            bare, wrapped, req = [], [], []
             for _ in range(args.repeats if T <= 512 else args.repeats_long):
                 dt, outs = timed(lambda: eng.llm.generate(ps, sp, use_tqdm=False))
                 assert sum(len(o.outputs[0].token_ids) for o in outs) == B * T
                 bare.append(dt)
+                dt, outs = timed(lambda: eng.llm.generate(*eng.requests(PROMPTS[B], ours), use_tqdm=False))
+                req.append(dt)
                 dt, outs = timed(lambda: eng.generate(PROMPTS[B], ours, version=0))
                 assert sum(len(c[0].token_ids) for c in outs) == B * T
                 wrapped.append(dt)
             r = row(B, T)
             r["vllm_wall_s"], r["ndvllm_wall_s"] = [round(x, 3) for x in bare], [round(x, 3) for x in wrapped]
+            r["vllmreq_wall_s"] = [round(x, 3) for x in req]
             r["vllm_tok_s"] = round(B * T / statistics.median(bare), 1)
+            r["vllmreq_tok_s"] = round(B * T / statistics.median(req), 1)
             r["ndvllm_tok_s"] = round(B * T / statistics.median(wrapped), 1)
-            print(f"vllm   B={B:4d} T={T:5d}: {r['vllm_tok_s']:10.0f} tok/s bare, {r['ndvllm_tok_s']:10.0f} through "
-                  f"rollout.VLLMEngine  (calls {r['vllm_wall_s']} / {r['ndvllm_wall_s']} s)")
+            print(f"vllm   B={B:4d} T={T:5d}: {r['vllm_tok_s']:10.0f} tok/s bare, {r['vllmreq_tok_s']:10.0f} with the "
+                  f"wrapper's requests (seeds, log-probs), {r['ndvllm_tok_s']:10.0f} through rollout.VLLMEngine  "
+                  f"(calls {r['vllm_wall_s']} / {r['vllmreq_wall_s']} / {r['ndvllm_wall_s']} s)")
             dump()
     eng.sleep()
 

@@ -1,7 +1,7 @@
 """A stand-in for the few pieces of vllm that rollout.VLLMEngine touches, backed by model.py on the CPU.
 
 It behaves like the real engine where the trainer depends on it: "dummy" random weights at start, sleep(2)
-destroys the weights, load_weights takes HF-named full tensors, requests sample from the process's RNG,
+destroys the weights, load_weights takes HF-named full tensors, each request is sampled with its own seed,
 and the sampled token's log-prob comes back per position. It records every call, so the CPU tests can check
 the engine's bookkeeping and the trainer's choreography (wake, push, generate, sleep) without a GPU."""
 import importlib.machinery
@@ -63,6 +63,7 @@ class LLM:
     def generate(self, requests, sampling, use_tqdm=True):
         assert self.awake == {"weights", "kv_cache"}, f"generate while asleep ({self.awake})"
         self.calls.append(("generate", len(requests)))
+        self.last_sampling = list(sampling)
         engine = R.TorchEngine(self.model, use_cuda_graph=False)
         outs = []
         for req, sp in zip(requests, sampling):
@@ -70,17 +71,15 @@ class LLM:
             c = engine.generate([req["prompt_token_ids"]], R.SamplingParams(
                 n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
                 max_tokens=sp.max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-                seed=sp.seed if sp.seed is not None else fake_request_seed()))[0][0]
+                seed=sp.seed))[0][0]
             logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(c.token_ids, c.logprobs)]
+            if getattr(sp, "flat_logprobs", False):  # vLLM's FlatLogprobs: flat lists, positions by index ranges
+                logprobs = SimpleNamespace(start_indices=list(range(len(c.logprobs))),
+                                           end_indices=list(range(1, len(c.logprobs) + 1)),
+                                           token_ids=list(c.token_ids), logprobs=list(c.logprobs))
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(c.token_ids), logprobs=logprobs,
                                                                  finish_reason=c.finish_reason)]))
         return outs
-
-
-def fake_request_seed() -> int:
-    """A request without a seed samples from the process's RNG, as vLLM's sampler draws from the device's
-    default generator: here one draw from torch's global generator per request."""
-    return int(torch.randint(0, 2**31 - 1, (1,)))
 
 
 def install(monkeypatch, free_bytes=lambda: 8 * 2**30):

@@ -97,19 +97,17 @@ def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
     assert llm.calls[1] == ("wake_up", ("weights",)) and ("reset_prefix_cache",) in llm.calls
     assert llm.calls[-2:] == [("wake_up", ("kv_cache",)), ("generate", 6)]  # n=3 x 2 prompts, one request each
 
-    # per prompt, n completions in order: sample i*n+j is request i*n+j, whose sampler the call's seed set
-    # (no per-request seeds: vLLM samples those one request at a time)
+    # per prompt, n completions in order; each sample is request i*n+j with seed 11 + i*n + j
     ref = R.TorchEngine(trainer, use_cuda_graph=False)
-    torch.manual_seed(11)
     for i, comps in enumerate(out):
         assert len(comps) == 3
         for j, c in enumerate(comps):
             want = ref.generate([prompts[i]], R.SamplingParams(n=1, temperature=1.0, max_tokens=6,
-                                                                 seed=fake_vllm.fake_request_seed(),
-                                                                 stop_token_ids=[2]))[0][0]
+                                                                 seed=11 + 3 * i + j, stop_token_ids=[2]))[0][0]
             assert (c.token_ids, c.finish_reason) == (want.token_ids, want.finish_reason)
             assert c.logprobs == pytest.approx(want.logprobs, abs=1e-6)
-    assert len({tuple(c.token_ids) for c in out[0]}) > 1  # one RNG stream: distinct samples within a group
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1  # distinct seeds: distinct samples
+    assert all(s.flat_logprobs for s in llm.last_sampling)  # no Logprob object per token
     again = eng.generate(prompts, params, version=0)
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in out]  # the seed rules
     other = eng.generate(prompts, R.SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=12, stop_token_ids=[2]),
@@ -202,3 +200,14 @@ def test_a_single_rank_gets_a_process_group_for_vllm_without_hanging(launcher):
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "world 1 0 0 1" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_sampled_logprobs_from_flat_and_dict_containers():
+    """The sampled token's log-prob per position, from vLLM's FlatLogprobs (index ranges into flat lists, the
+    sampled token first) and from a list of {token: Logprob} dicts."""
+    from types import SimpleNamespace as NS
+    flat = NS(start_indices=[0, 2, 3], end_indices=[2, 3, 5], token_ids=[7, 1, 8, 9, 4],
+              logprobs=[-0.5, -0.1, -1.5, -2.0, -0.2])  # position 0 and 2 also carry a top-1 token
+    assert R._sampled_logprobs(flat, [7, 8, 9]) == [-0.5, -1.5, -2.0]
+    dicts = [{7: NS(logprob=-0.5), 1: NS(logprob=-0.1)}, {8: NS(logprob=-1.5)}, {4: NS(logprob=-0.2), 9: NS(logprob=-2.0)}]
+    assert R._sampled_logprobs(dicts, [7, 8, 9]) == [-0.5, -1.5, -2.0]
