@@ -258,8 +258,8 @@ def hf_padded():
 
 
 KERNEL_KINDS = (  # first match wins; names of CUDA kernels (cuBLAS/CUTLASS/nvjet GEMMs, flash attention, torch's own)
+    ("attention", ("flash", "fmha", "attention", "sdpa")),  # before matmul: flash kernels name cutlass types
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "addmm", "aten::mm", "mmbackward")),
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("copy/cast", ("copy", "cast", "convert", "fill")),
     ("reduction (softmax, norms, sums)", ("reduce", "softmax", "norm", "logsumexp", "cross_entropy")),
