@@ -133,7 +133,9 @@ class Config:
     resume: str = "auto"  # auto (latest complete checkpoint in out_dir) | disable | path/to/checkpoint
     keep_last: int = 0  # keep only the newest N checkpoints (0 = keep all); pruned after a new one is complete
     max_consecutive_skips: int = 5  # stop the run after this many non-finite updates in a row
-    logp_mismatch_warn: float = 0.5  # warn when mean |rollout - trainer| log-prob exceeds this
+    # warn when mean |rollout - trainer| log-prob exceeds this: bf16 with fresh weights measured 0.014-0.022 on
+    # the H200 (random 1.5B model, the worst case: entropy ~11.6 nats); stale weights give ~0.1
+    logp_mismatch_warn: float = 0.05
     seed: int = 0
     device: str = "auto"  # auto | cuda | npu | cpu
     cpu_threads: int = 0  # torch intra-op threads on CPU (0 = torch's default; 1 is fastest for tiny models)

@@ -130,11 +130,13 @@ def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
         eng.wake_up(["weights"])
 
 
-def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(monkeypatch, tiny_dir, tmp_path):
+def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(monkeypatch, tiny_dir, tmp_path,
+                                                                              capsys):
     from test_train import run_cfg
     install(monkeypatch)
     T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=2, rollout_engine="vllm", save_freq=-1,
                     test_freq=1, tis_imp_ratio_cap=2.0))
+    assert "warning: rollout/logp_mismatch" not in capsys.readouterr().out
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     train_rows = [r for r in rows if "train/acc" in r]
     assert len(train_rows) == 2
@@ -152,6 +154,20 @@ def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(mo
         while calls[j][0] == "load":
             j -= 1
         assert j < i - 3 and calls[j] == ("wake_up", ("weights",))
+
+
+def test_an_engine_with_other_weights_triggers_the_mismatch_warning(monkeypatch, tiny_dir, tmp_path, capsys):
+    """Stale weights (here: every pushed tensor scaled by 1.6 inside the engine) make the engine's log-probs
+    disagree with the trainer's by far more than bf16 noise: rollout/logp_mismatch is logged and warned about."""
+    from test_train import run_cfg
+    install(monkeypatch)
+    load = fake_vllm.LLM._load
+    monkeypatch.setattr(fake_vllm.LLM, "_load", lambda self, weights: load(self, ((n, t * 1.6) for n, t in weights)))
+    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=1, rollout_engine="vllm", save_freq=-1, test_freq=-1))
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    mismatch = [r["rollout/logp_mismatch"] for r in rows if "train/acc" in r]
+    assert mismatch and mismatch[0] > 2 * T.Config().logp_mismatch_warn, mismatch
+    assert "warning: rollout/logp_mismatch" in capsys.readouterr().out
 
 
 def test_missing_vllm_is_a_config_error_before_any_work(tiny_dir, tmp_path, monkeypatch):
