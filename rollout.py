@@ -416,8 +416,8 @@ class VLLMEngine:
         """vLLM's (prompts, sampling params) for a generate call: one request per sample."""
         from vllm import SamplingParams as VLLMSamplingParams
         # n samples = n requests, each with its own seed: the same on every rank of the TP group, and the
-        # output order is ours (vLLM's prefix cache shares the prompt's KV between them). Seeded requests cost
-        # nothing in vLLM's sampler (one Gumbel kernel reads every request's seed). flat_logprobs: the sampled
+        # output order is ours (vLLM's prefix cache shares the prompt's KV between them). Seeded requests need no
+        # per-request kernels (in vLLM 0.26 one Gumbel kernel reads every request's seed). flat_logprobs: the sampled
         # log-probs come back as flat lists, not a dict and a Logprob object per token (Python work per token
         # and garbage for the collector).
         requests, sampling = [], []
