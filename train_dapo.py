@@ -577,7 +577,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                                          cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode,
                                          cfg.max_response_length, token_weight=tis)
                 entropy = agg_loss(ent, mask, cfg.loss_agg_mode, cfg.max_response_length)
-                loss = pg_loss - cfg.entropy_coeff * entropy
+                # without the term (DAPO: coefficient 0) the backward skips the fp32 entropy over the vocabulary
+                loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
                 m.update(pg_loss=pg_loss.item(), entropy=entropy.item())
                 if cfg.use_kl_loss:
                     kl = agg_loss(kl_penalty(logp, traj.ref_logp[mb].to(logp.device), cfg.kl_loss_type), mask,

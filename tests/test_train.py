@@ -201,6 +201,17 @@ def test_micro_batch_split_does_not_change_gradients(mode):
     assert torch.allclose(budget, whole, atol=1e-5, rtol=1e-4)
 
 
+def test_entropy_term_is_linear_in_its_coefficient_and_absent_at_zero():
+    """entropy_coeff 0 leaves the entropy out of the loss (no backward through it): the gradient at 0 is where
+    the gradients at 0.5 and 1.0 extrapolate to."""
+    traj = random_batch()
+    base = dict(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
+                temperature=1.0, ppo_micro_batch_size_per_gpu=6)
+    g0, g1, g2 = (grads_after_update(T.Config(**base, entropy_coeff=c), traj) for c in (0.0, 0.5, 1.0))
+    assert not torch.allclose(g1, g0)  # the term is there when the coefficient is not 0
+    torch.testing.assert_close(g0, 2 * g1 - g2, rtol=1e-5, atol=1e-7)  # the log-prob head computes in fp32
+
+
 # -----------------------------------------------------------------------------
 # end to end on a tiny random model (few steps, CI time)
 
