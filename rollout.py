@@ -325,18 +325,17 @@ def _ensure_process_group():
     import torch.distributed as dist
 
     from parallel import BACKENDS
-    if not dist.is_initialized() and not ("MASTER_ADDR" in os.environ and "RANK" in os.environ):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    acc = torch.accelerator.current_accelerator()
     if not dist.is_initialized():
-        acc = torch.accelerator.current_accelerator()
+        if not ("MASTER_ADDR" in os.environ and "RANK" in os.environ):  # not under torchrun: a group of one
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         backend = "gloo" if acc is None else f"cpu:gloo,{acc.type}:{BACKENDS[acc.type]}"  # cpu: the launch tests
         dist.init_process_group(backend=backend)
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-    acc = torch.accelerator.current_accelerator()
     os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if acc is not None else 0))
 
 
@@ -439,18 +438,16 @@ class VLLMEngine:
         flat = []
         for o in outs:
             c = o.outputs[0]
-            logp = _sampled_logprobs(c.logprobs, c.token_ids) if params.logprobs else None
+            logp = _sampled_logprobs(c.logprobs) if params.logprobs else None
             flat.append(Completion(token_ids=list(c.token_ids), logprobs=logp,
                                    finish_reason="stop" if c.finish_reason == "stop" else "length"))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
 
-def _sampled_logprobs(lp, token_ids) -> list[float]:
-    """The sampled token's log-prob at each position of a vLLM completion: in a FlatLogprobs the first entry of
-    each position (vLLM puts the sampled token first); in a list of dicts, the sampled token's entry."""
-    if hasattr(lp, "start_indices"):
-        return [lp.logprobs[k] for k in lp.start_indices]
-    return [d[t].logprob for d, t in zip(lp, token_ids)]
+def _sampled_logprobs(lp) -> list[float]:
+    """The sampled token's log-prob at each position of a vLLM completion's FlatLogprobs: the first entry of each
+    position (vLLM puts the sampled token first, then any top-k)."""
+    return [lp.logprobs[k] for k in lp.start_indices]
 
 
 def resolve_engine(kind: str, device_type: str) -> str:

@@ -1118,6 +1118,7 @@ def dry_run(cfg: Config):
     import data
     import model as M
     import parallel
+    from rollout import resolve_engine
     ws = world_size_for(cfg)
     present = os.path.isfile(os.path.join(cfg.model_path, "config.json"))
     files_present = all(os.path.isfile(f) for f in cfg.train_files + cfg.val_files)
@@ -1137,8 +1138,8 @@ def dry_run(cfg: Config):
     print(f"config OK ({model_cfg.architecture}, {model_cfg.num_params() / 1e9:.2f} B parameters, world size {ws})")
     for k, v in batch_arithmetic(cfg, ws, n_train).items():
         print(f"  {k}: {v}")
-    engine = cfg.rollout_engine if cfg.rollout_engine != "auto" else (
-        "vllm" if importlib.util.find_spec("vllm") else "torch")  # what "auto" picks on a CUDA machine like this one
+    # what "auto" picks on a CUDA machine with this one's packages; "vllm" is planned even where it is not installed
+    engine = cfg.rollout_engine if cfg.rollout_engine == "vllm" else resolve_engine(cfg.rollout_engine, "cuda")
     print(f"rollout engine planned for: {engine}")
     print(parallel.format_memory_plan([parallel.memory_plan(cfg, model_cfg, ws, g, engine=engine) for g in (80, 141)]))
 

@@ -115,9 +115,7 @@ if args.tiny:
     cfg = M.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)
 else:
-    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768)
+    cfg = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-1.5b"])
 t0 = time.perf_counter()
 with torch.device(device):  # init_weights draws on the model's device
     model = M.Transformer(cfg)

@@ -17,8 +17,8 @@ import rollout as R
 
 
 class SamplingParams:
-    def __init__(self, seed=None, **kw):
-        self.seed = seed
+    def __init__(self, seed=None, flat_logprobs=False, **kw):
+        self.seed, self.flat_logprobs = seed, flat_logprobs
         self.__dict__.update(kw)
 
 
@@ -72,11 +72,11 @@ class LLM:
                 n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
                 max_tokens=sp.max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                 seed=sp.seed))[0][0]
-            logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(c.token_ids, c.logprobs)]
-            if getattr(sp, "flat_logprobs", False):  # vLLM's FlatLogprobs: flat lists, positions by index ranges
-                logprobs = SimpleNamespace(start_indices=list(range(len(c.logprobs))),
-                                           end_indices=list(range(1, len(c.logprobs) + 1)),
-                                           token_ids=list(c.token_ids), logprobs=list(c.logprobs))
+            assert sp.flat_logprobs  # else vLLM returns a {token: Logprob} dict per position, which we do not read
+            # vLLM's FlatLogprobs: flat lists, positions by index ranges (one entry each: logprobs=0)
+            logprobs = SimpleNamespace(start_indices=list(range(len(c.logprobs))),
+                                       end_indices=list(range(1, len(c.logprobs) + 1)),
+                                       token_ids=list(c.token_ids), logprobs=list(c.logprobs))
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(c.token_ids), logprobs=logprobs,
                                                                  finish_reason=c.finish_reason)]))
         return outs

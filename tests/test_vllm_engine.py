@@ -218,12 +218,10 @@ def test_a_single_rank_gets_a_process_group_for_vllm_without_hanging(launcher):
     assert r.returncode == 0 and "world 1 0 0 1" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
-def test_sampled_logprobs_from_flat_and_dict_containers():
+def test_sampled_logprobs_from_flat_logprobs():
     """The sampled token's log-prob per position, from vLLM's FlatLogprobs (index ranges into flat lists, the
-    sampled token first) and from a list of {token: Logprob} dicts."""
+    sampled token first)."""
     from types import SimpleNamespace as NS
     flat = NS(start_indices=[0, 2, 3], end_indices=[2, 3, 5], token_ids=[7, 1, 8, 9, 4],
               logprobs=[-0.5, -0.1, -1.5, -2.0, -0.2])  # position 0 and 2 also carry a top-1 token
-    assert R._sampled_logprobs(flat, [7, 8, 9]) == [-0.5, -1.5, -2.0]
-    dicts = [{7: NS(logprob=-0.5), 1: NS(logprob=-0.1)}, {8: NS(logprob=-1.5)}, {4: NS(logprob=-0.2), 9: NS(logprob=-2.0)}]
-    assert R._sampled_logprobs(dicts, [7, 8, 9]) == [-0.5, -1.5, -2.0]
+    assert R._sampled_logprobs(flat) == [-0.5, -1.5, -2.0]
