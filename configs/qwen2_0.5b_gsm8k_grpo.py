@@ -1,10 +1,10 @@
-# GRPO on GSM8K with Qwen2-0.5B-Instruct, 2 nodes x 8 devices: seed 004's verl run (Ascend NPUs there; the device
-# is auto-detected, so the same file runs on NPUs with torch_npu, or on GPUs).
+# GRPO on GSM8K with Qwen2-0.5B-Instruct, 2 nodes x 8 devices: verl's GSM8K GRPO example, translated key by key
+# (written for Ascend NPUs; the device is auto-detected, so the same file runs on NPUs with torch_npu, or on GPUs).
 #
 # Run, on both nodes (HOST:PORT = an address of node 0 that both reach):
 #   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
 #     train_dapo.py configs/qwen2_0.5b_gsm8k_grpo.py
-# (on multi-node NPUs, as in the seed: export HCCL_SOCKET_IFNAME=<nic> GLOO_SOCKET_IFNAME=<nic>)
+# (on multi-node NPUs: export HCCL_SOCKET_IFNAME=<nic> GLOO_SOCKET_IFNAME=<nic>)
 # One node works too (torchrun --nproc-per-node 8 train_dapo.py configs/qwen2_0.5b_gsm8k_grpo.py): each rank then
 # takes 16 trajectories of a mini-batch instead of 8; the update is the same.
 # Check it first, without devices or the model:
@@ -14,14 +14,14 @@
 # output the final answer after \"####\"", ground truth from "#### N"):
 #   huggingface-cli download Qwen/Qwen2-0.5B-Instruct --local-dir ~/models/Qwen2-0.5B-Instruct
 #   huggingface-cli download openai/gsm8k --repo-type dataset --local-dir ~/data/gsm8k_raw
-#   python data.py prepare-gsm8k ~/data/gsm8k_raw ~/data/gsm8k      # -> ~/data/gsm8k/{train,test}.parquet
-#   python data.py inspect ~/data/gsm8k/train.parquet --tokenizer ~/models/Qwen2-0.5B-Instruct --max_prompt_length 512
+#   python prepare_data.py prepare-gsm8k ~/data/gsm8k_raw ~/data/gsm8k      # -> ~/data/gsm8k/{train,test}.parquet
+#   python prepare_data.py inspect ~/data/gsm8k/train.parquet --tokenizer ~/models/Qwen2-0.5B-Instruct --max_prompt_length 512
 # (verl's examples/data_preprocess/gsm8k.py writes the same files; they load as they are.)
 #
-# Expected result: the seed reports none and it is not measured yet; val/acc (greedy, GSM8K test) should rise
+# Expected result: none published for this run, and not measured yet; val/acc (greedy, GSM8K test) should rise
 # from the instruct model's starting accuracy, which val_before_train logs at step 0.
 #
-# Seed settings, and how nanodapo takes them:
+# The example's settings, and how nanodapo takes them:
 # - rollout.name vllm with TP 2 and gpu_memory_utilization 0.6: set below; rollout_engine "auto" picks the vLLM engine
 #   on CUDA when vllm is installed and the built-in engine otherwise (on an NPU pass --rollout_engine=vllm where
 #   vllm-ascend is installed, with VLLM_ASCEND_ENABLE_NZ=0 for in-place weight reload; untested here).
@@ -30,7 +30,7 @@
 # - trainer.device=npu: device="auto" picks the NPU where torch_npu is installed (set device="npu" to insist).
 # - use_torch_compile=False, use_remove_padding=True, critic_warmup=0: nanodapo's training forward is not compiled,
 #   is always packed (no padding), and has no critic.
-# Values the seed leaves to verl's defaults are spelled out below (clip 0.2 / 0.2, dual-clip c 3.0, token-mean,
+# Values the example leaves to verl's defaults are spelled out below (clip 0.2 / 0.2, dual-clip c 3.0, token-mean,
 # weight decay 0.01, no warmup, greedy validation, no dynamic sampling, no overlong shaping).
 
 import os

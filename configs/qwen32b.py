@@ -1,4 +1,4 @@
-# DAPO on Qwen2.5-32B (base): verl's DAPO recipe, 16 nodes x 8 GPUs (REFERENCE.md "Seed recipes", seed 001).
+# DAPO on Qwen2.5-32B (base): verl's DAPO recipe for Qwen2.5-32B, 16 nodes x 8 GPUs, translated key by key.
 #
 # Run, on every node (HOST:PORT = an address of node 0 that all nodes reach):
 #   torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT train_dapo.py configs/qwen32b.py
@@ -11,7 +11,7 @@
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/dapo-math-17k.parquet?download=true"
 #   wget -O ~/data/aime-2024.parquet \
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/AIME-2024/resolve/main/data/aime-2024.parquet?download=true"
-#   python data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen2.5-32B --max_prompt_length 2048
+#   python prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen2.5-32B --max_prompt_length 2048
 # Every node needs the model and data at these paths, and out_dir on a filesystem all nodes share (checkpoints are
 # written by every rank, like verl's trainer.default_local_dir).
 #
@@ -19,17 +19,17 @@
 # sampling (filter_groups=False). Here that is val/acc on aime-2024.parquet (30 problems; val_n=1 is noisy, pass
 # --val_n=32 for an average over 32 samples). Not yet reproduced with nanodapo.
 #
-# Rollout: the in-process vLLM engine with the seed's settings (TP 4: 32 engines of 4 GPUs, gpu_memory_utilization
+# Rollout: the in-process vLLM engine with the recipe's settings (TP 4: 32 engines of 4 GPUs, gpu_memory_utilization
 # 0.8, chunked prefill, max_num_batched_tokens 22528). While it is awake it takes 0.8 of each GPU; the trainer's
-# states are offloaded to the host (as in the seed), so what stays on the GPU next to it is small. The built-in
+# states are offloaded to the host (as in the recipe), so what stays on the GPU next to it is small. The built-in
 # engine cannot run this recipe: a full bf16 weight copy per GPU (61 GiB) plus a static KV cache of 5.5 GiB per
 # row does not fit (python train_dapo.py configs/qwen32b.py --dry_run --rollout_engine=torch shows it).
-# Ulysses sequence parallel size 8, as in the seed: the 8 GPUs of a node split each micro-batch's tokens; the token
+# Ulysses sequence parallel size 8, as in the recipe: the 8 GPUs of a node split each micro-batch's tokens; the token
 # budgets stay per GPU (verl's convention), so an SP group's micro-batch is 8 x 22528 tokens.
-# Seed settings nanodapo does not take:
+# Recipe settings nanodapo does not take:
 # - ref.fsdp_config.param_offload: no reference model is built (no KL term), so there is nothing to offload.
-# - trainer.logger vemlp_wandb (Volcano Engine's platform): use logger = ["console", "jsonl", "wandb"] for wandb.
-# Seed 001's script sets val_kwargs.top_p=1.0; the recipe in REFERENCE.md (and verl's recipe script) uses 0.7: 0.7.
+# - trainer.logger console + wandb: logger here is the default ["console", "jsonl"]; add "wandb" to log to wandb.
+# Validation samples with top_p 0.7, as verl's recipe script does.
 
 import os
 

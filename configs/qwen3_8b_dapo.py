@@ -11,11 +11,11 @@
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/dapo-math-17k.parquet?download=true"
 #   wget -O ~/data/aime-2024.parquet \
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/AIME-2024/resolve/main/data/aime-2024.parquet?download=true"
-#   python data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen3-8B --max_prompt_length 2048
+#   python prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen3-8B --max_prompt_length 2048
 #
 # Thinking template: prompts go through the model's own chat template with no extra arguments, and Qwen3's template
 # then leaves thinking on: the response is "<think>...</think>" followed by the answer; the verifier reads the
-# "Answer:" line at the end. (nanodapo has no key for enable_thinking=False yet.)
+# "Answer:" line at the end. (chat_template_kwargs = {"enable_thinking": False} would turn thinking off.)
 #
 # Expected result: none published for this exact setup, and not measured yet. Qwen3-8B already solves part of
 # AIME 2024 at step 0 (val_before_train logs it); watch val/acc against that and response_length/clip_ratio:
