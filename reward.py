@@ -1,12 +1,13 @@
 """
 Rewards: rule verifiers by data_source (verl's interface and semantics), custom reward functions
 loaded from a file, DAPO's overlong penalty, and a small process pool that scores a batch with a
-per-call timeout.
+per-response timeout.
 
     compute_score("math_dapo", "...\nAnswer: 42", "42")   # {'score': 1.0, 'acc': True, 'pred': '42'}
     reward_fn = "path/to/file.py:function_name"           # config: a custom function, same signature
 """
 
+import ctypes
 import importlib.util
 import math
 import multiprocessing.connection
@@ -15,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -23,7 +25,8 @@ ANSWER_PATTERN = r"(?i)Answer\s*:\s*([^\n]+)"  # DAPO's prompt asks for a last l
 
 
 class RewardError(ValueError):
-    """A reward function failed or returned something unusable; the message says which and how to fix it."""
+    """Scoring cannot go on: a reward_fn that does not load, a data_source without a verifier, a reward
+    function that failed on every response of a call. The message says which and how to fix it."""
 
 
 # -----------------------------------------------------------------------------
@@ -93,11 +96,15 @@ def math_dapo_score(solution_str: str, ground_truth: str, strict_box_verify: boo
 # -----------------------------------------------------------------------------
 # GSM8K (verl's gsm8k.py) and the CPU demo's arithmetic task
 
+# verl's GSM8K final answer, in solutions and in responses; preparing the data set uses it too
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
 def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
     """strict: the last '#### <number>' (the trained format); flexible: the last number anywhere."""
     solution_str = solution_str[-300:]
     if method == "strict":
-        found = re.findall(r"#### (\-?[0-9\.\,]+)", solution_str)
+        found = GSM8K_ANSWER.findall(solution_str)
         return found[-1].replace(",", "").replace("$", "") if found else None
     assert method == "flexible", method
     found = re.findall(r"(\-?[0-9\.\,]+)", solution_str)
@@ -128,21 +135,35 @@ def arith_score(solution_str: str, ground_truth: str) -> dict:
 # -----------------------------------------------------------------------------
 # dispatch by data_source, custom functions, overlong penalty
 
-KNOWN_DATA_SOURCES = "math_dapo, math, math_dapo_reasoning, aime*, openai/gsm8k, gsm8k, arith"
+# data_source -> rule verifier, as verl's default_compute_score dispatches; "aime*" sources are DAPO math too
+VERIFIERS = {"math_dapo": math_dapo_score, "math": math_dapo_score, "math_dapo_reasoning": math_dapo_score,
+             "openai/gsm8k": gsm8k_score, "gsm8k": gsm8k_score, "arith": arith_score}
+AIME_PREFIX = "aime"
 
 
 def _verifier(data_source: str):
-    """The rule verifier for a data_source, as verl's default_compute_score picks it."""
-    if data_source in ("math_dapo", "math", "math_dapo_reasoning") or str(data_source).startswith("aime"):
+    """The rule verifier for a data_source, or None if there is none."""
+    if data_source in VERIFIERS:
+        return VERIFIERS[data_source]
+    if str(data_source).startswith(AIME_PREFIX):
         return math_dapo_score
-    if data_source in ("openai/gsm8k", "gsm8k"):
-        return gsm8k_score
-    if data_source == "arith":
-        return arith_score
-    raise ValueError(f"no verifier for data_source={data_source!r}; known: {KNOWN_DATA_SOURCES}. For another "
-                     "data source write a function f(data_source, solution_str, ground_truth, extra_info=None) "
-                     "returning a float or a dict with 'score' (and 'acc'), and set "
-                     'reward_fn = "path/to/file.py:function_name" in the config.')
+    return None
+
+
+def _no_verifier_message(data_sources) -> str:
+    unknown = ", ".join(repr(ds) for ds in sorted(data_sources, key=str))
+    known = ", ".join([*VERIFIERS, AIME_PREFIX + "*"])
+    return (f"no verifier for data_source {unknown}; known: {known}. For another data source write a function "
+            "f(data_source, solution_str, ground_truth, extra_info=None) returning a float or a dict with "
+            "'score' (and 'acc'), and set reward_fn = \"path/to/file.py:function_name\" in the config.")
+
+
+def check_data_sources(data_sources: set[str], reward_fn: str | None) -> None:
+    """Before any work: with the built-in verifiers (reward_fn None) every data_source needs one. A custom
+    reward_fn receives every data_source and decides for itself."""
+    unknown = {ds for ds in data_sources if _verifier(ds) is None}
+    if reward_fn is None and unknown:
+        raise RewardError(_no_verifier_message(unknown))
 
 
 def _ground_truths(ground_truth) -> list[str]:
@@ -158,7 +179,21 @@ def _ground_truths(ground_truth) -> list[str]:
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict:
     """Score one response with the rule verifier for its data_source; any accepted answer counts."""
     verify = _verifier(data_source)
+    if verify is None:
+        raise RewardError(_no_verifier_message([data_source]))
     return max((verify(solution_str, gt) for gt in _ground_truths(ground_truth)), key=lambda r: r["score"])
+
+
+def _import_failure(path: str, e: Exception) -> str:
+    """Where in the file at path an import failed, and why: "line 3 ('import foo'): ModuleNotFoundError: ..."."""
+    if isinstance(e, SyntaxError) and os.path.abspath(e.filename or "") == os.path.abspath(path):
+        line, code = e.lineno, (e.text or "").strip()
+    else:  # the innermost frame in the file itself, not in importlib or in what the file imports
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if os.path.abspath(f.filename) == os.path.abspath(path)]
+        line, code = (frames[-1].lineno, frames[-1].line) if frames else (None, "")
+    where = f"line {line} ({code!r})" if code else f"line {line}"
+    return f"{where}: {type(e).__name__}: {e}"
 
 
 def load_reward_fn(spec: str | None):
@@ -167,21 +202,26 @@ def load_reward_fn(spec: str | None):
         return compute_score
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
-        raise ValueError(f'reward_fn={spec!r} must look like "path/to/file.py:function_name"')
+        raise RewardError(f'reward_fn={spec!r} must look like "path/to/file.py:function_name"')
     if not os.path.isfile(path):
-        raise ValueError(f"reward_fn={spec!r}: file {path!r} not found (relative to {os.getcwd()!r}); "
-                         "give a path to an existing .py file")
+        raise RewardError(f"reward_fn={spec!r}: file {path!r} not found (relative to {os.getcwd()!r}); "
+                          "give a path to an existing .py file")
     module_name = "reward_fn_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # so dataclasses/pickle inside the file can find their module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise RewardError(f"reward_fn={spec!r}: importing {path} failed at {_import_failure(path, e)}. Fix the "
+                          "file, or install what it imports in this environment") from e
     if not hasattr(module, name):
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"reward_fn={spec!r}: {path!r} has no function {name!r}; it defines {public}")
+        raise RewardError(f"reward_fn={spec!r}: {path!r} has no function {name!r}; it defines {public}")
     fn = getattr(module, name)
     if not callable(fn):
-        raise ValueError(f"reward_fn={spec!r}: {name!r} is not callable (type {type(fn).__name__})")
+        raise RewardError(f"reward_fn={spec!r}: {name!r} is not callable (type {type(fn).__name__})")
     return fn
 
 
@@ -212,30 +252,70 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
 
 
 # -----------------------------------------------------------------------------
-# scoring a batch in worker processes, with a per-call timeout
+# scoring a batch in worker processes, with a per-response timeout
+#
+# A response fails when its reward function raises, returns something unusable, or kills its worker
+# (os._exit, a signal, a segfault): it scores 0 and counts in num_errors. One that runs past timeout_s
+# scores 0 and counts in num_timeouts. A call in which every response failed with an error raises
+# RewardError (the function is broken, not the data); timeouts never raise, since slowness depends on
+# load and the knob is timeout_s.
 
-_TIMED_OUT = {"score": 0.0, "acc": False, "pred": None}
+_FAILED = {"score": 0.0, "acc": False, "pred": None}  # the result of a response that failed or timed out
 _STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter plus the custom file's own imports
+_PARENT_POLL_S = 0.5  # how often a worker checks that the trainer is still its parent
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _describe_exception(e: BaseException) -> str:
+    """"ZeroDivisionError: msg (file.py:17 in fn)": the exception and the innermost frame that raised it."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
 
 
 def _score_one(fn, fn_name: str, item) -> tuple[dict | None, str | None]:
-    """(normalized result, None), or (None, a message for the user) if the reward function failed."""
+    """(normalized result, None), or (None, why it failed) if the reward function failed."""
     data_source, solution_str, ground_truth, extra_info = item
     try:
         result = fn(data_source=data_source, solution_str=solution_str,
                     ground_truth=ground_truth, extra_info=extra_info)  # by keyword, as verl calls it
         return normalize_result(result, fn_name), None
     except RewardError as e:
-        return None, f"{e} (data_source={data_source!r})"
+        return None, str(e)
     except Exception as e:
-        return None, (f"reward function {fn_name} raised {type(e).__name__}: {e} (data_source={data_source!r}). "
-                      f"Fix the function or its data; RewardScorer(num_workers=0) runs it inline for a debugger.\n"
-                      f"--- worker traceback ---\n{traceback.format_exc()}")
+        return None, f"reward function {fn_name} raised {_describe_exception(e)}"
 
 
-def _worker_main(fd: int, spec: str | None) -> None:
+def _set_parent_death_signal() -> bool:
+    """Ask Linux to SIGKILL this process when its parent thread exits; False where prctl is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit once parent_pid is no longer this process's parent (an orphan is re-parented)."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)
+
+
+def _worker_main(fd: int, spec: str | None, parent_pid: int) -> None:
     """A worker's loop: load the reward function, then score chunks, reporting each item as it finishes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    # die with the trainer even when it is SIGKILLed; the thread also covers systems without prctl and a
+    # parent that died before prctl ran
+    _set_parent_death_signal()
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = multiprocessing.connection.Connection(fd)
     fn, fn_name = load_reward_fn(spec), spec or "compute_score"
     conn.send(("ready",))
@@ -245,8 +325,8 @@ def _worker_main(fd: int, spec: str | None) -> None:
         except EOFError:  # the trainer closed the pipe or exited
             return
         for i, item in chunk:
-            result, error = _score_one(fn, fn_name, item)
-            conn.send(("result", i, result) if error is None else ("error", i, error))
+            result, failure = _score_one(fn, fn_name, item)
+            conn.send(("result", i, result) if failure is None else ("failed", i, failure))
 
 
 class _Worker:
@@ -256,99 +336,157 @@ class _Worker:
     def __init__(self, spec: str | None):
         parent, child = multiprocessing.Pipe()
         here = os.path.dirname(os.path.abspath(__file__))
-        code = f"import sys; sys.path.insert(0, {here!r}); import reward; reward._worker_main({child.fileno()}, {spec!r})"
+        code = (f"import sys; sys.path.insert(0, {here!r}); import reward; "
+                f"reward._worker_main({child.fileno()}, {spec!r}, {os.getpid()})")
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child.fileno()])
         child.close()
         self.conn, self.ready, self.chunk = parent, False, deque()  # chunk: indices still to be scored
         self.deadline = time.monotonic() + _STARTUP_TIMEOUT_S
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+    def stop(self, grace_s: float = 0.0) -> int:
+        """SIGKILL the process unless it exits within grace_s, reap it, close the pipe; its returncode."""
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.conn.close()
+        return self.proc.returncode
+
+
+class _Call:
+    """One score() call: results in input order, the failure counts, and why each error happened."""
+
+    def __init__(self, items: list):
+        self.items, self.results = items, [None] * len(items)
+        self.stats = {"num_timeouts": 0, "num_errors": 0}
+        self.errors = []  # one line per response that failed with an error
+
+    def fail(self, i: int, counter: str, why: str | None = None) -> None:
+        self.results[i] = dict(_FAILED)
+        self.stats[counter] += 1
+        if why is not None:
+            self.errors.append(f"{why} (data_source={self.items[i][0]!r})")
 
 
 class RewardScorer:
     """Scores (data_source, solution_str, ground_truth, extra_info) items in a pool of worker processes so
-    that a call that hangs (a pathological regex, a stuck custom function) can be killed after timeout_s.
-    num_workers=0 scores inline in this process: no timeout, but a debugger and tracebacks work."""
+    that a response that hangs (a pathological regex, a stuck custom function) can be killed after
+    timeout_s, and one that crashes its worker costs only that response. num_workers=0 scores inline in
+    this process: no timeout, but a debugger works. Create it on a thread that outlives it: Linux's
+    parent-death signal follows the creating thread."""
 
     def __init__(self, reward_fn: str | None = None, num_workers: int = 4, timeout_s: float = 10.0):
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 scores inline, "
+                             "without a timeout)")
+        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
         self.spec, self.fn_name = reward_fn, reward_fn or "compute_score"
         self.fn = load_reward_fn(reward_fn)  # fail at start-up, in this process, with a clear message
         self.timeout_s, self.inline = timeout_s, num_workers == 0
         self.workers = [_Worker(reward_fn) for _ in range(num_workers)]  # started once, reused every batch
 
     def score(self, items) -> tuple[list[dict], dict]:
-        """Results in input order, and {"num_timeouts", "num_errors" (workers that died mid-call)}."""
-        assert self.inline or self.workers, "RewardScorer.score() after close()"
-        items = list(items)
-        results, stats = [None] * len(items), {"num_timeouts": 0, "num_errors": 0}
+        """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they
+        ran past timeout_s, or because the reward function failed on them. Prints one warning line per call
+        with errors; raises RewardError when every response failed with an error."""
+        if self.workers is None:
+            raise RuntimeError("RewardScorer.score() after close()")
+        call = _Call(list(items))
         if self.inline:
-            for i, item in enumerate(items):
-                results[i], error = _score_one(self.fn, self.fn_name, item)
-                if error is not None:
-                    raise RewardError(error)
-            return results, stats
-        size = max(1, math.ceil(len(items) / (4 * len(self.workers))))  # a few chunks per worker balance load
-        todo = deque(deque(range(s, min(s + size, len(items)))) for s in range(0, len(items), size))
+            for i, item in enumerate(call.items):
+                call.results[i], why = _score_one(self.fn, self.fn_name, item)
+                if why is not None:
+                    call.fail(i, "num_errors", why)
+        else:
+            self._score_in_workers(call)
+        self._report(call)
+        return call.results, call.stats
+
+    def _score_in_workers(self, call: _Call) -> None:
+        n = len(call.items)
+        size = max(1, math.ceil(n / (4 * len(self.workers))))  # a few chunks per worker balance load
+        todo = deque(deque(range(s, min(s + size, n))) for s in range(0, n, size))
         try:
             while todo or any(w.chunk for w in self.workers):
                 for w in self.workers:  # one IPC message per chunk, not per item
                     if w.ready and not w.chunk and todo:
-                        w.chunk = todo.popleft()
-                        w.conn.send([(i, items[i]) for i in w.chunk])
-                        w.deadline = time.monotonic() + self.timeout_s
+                        self._send(w, todo.popleft(), call, todo)
                 busy = [w for w in self.workers if w.chunk or not w.ready]
                 timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
                 readable = multiprocessing.connection.wait([w.conn for w in busy], timeout)
                 for w in busy:
                     if w.conn in readable:
-                        self._receive(w, results, stats, todo)
+                        self._receive(w, call, todo)
                     elif time.monotonic() > w.deadline:
                         if not w.ready:
                             raise RewardError(f"a reward worker for {self.fn_name} did not start within "
                                               f"{_STARTUP_TIMEOUT_S:.0f} s; num_workers=0 runs it inline")
-                        self._replace(w, results, stats, todo, "num_timeouts")
-        except BaseException:  # busy workers would report stale results into the next batch
+                        self._replace(w, call, todo, "num_timeouts")
+        except BaseException:  # busy workers would report stale results into the next call
             for w in [w for w in self.workers if w.chunk]:
-                self._replace(w, results, stats, deque(), None)
+                self._replace(w, call, deque(), None)
             raise
-        return results, stats
 
-    def _receive(self, w: _Worker, results: list, stats: dict, todo: deque) -> None:
-        """Take one message from a worker; a worker that died mid-item scores that item 0 like a timeout."""
+    def _send(self, w: _Worker, chunk: deque, call: _Call, todo: deque) -> None:
+        w.chunk, w.deadline = chunk, time.monotonic() + self.timeout_s
+        try:
+            w.conn.send([(i, call.items[i]) for i in chunk])
+        except OSError:  # it died while idle: no response to blame, a fresh worker takes the chunk
+            self._replace(w, call, todo, None)
+
+    def _receive(self, w: _Worker, call: _Call, todo: deque) -> None:
+        """Take one message from a worker; a worker that died scores its current response 0 as an error."""
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
+            returncode = w.stop(grace_s=1.0)
             if not w.ready:
-                raise RewardError(f"a reward worker for {self.fn_name} exited during start-up (exit code "
-                                  f"{w.proc.wait()}); its error is printed above; num_workers=0 runs inline")
-            return self._replace(w, results, stats, todo, "num_errors")
+                raise RewardError(f"a reward worker for {self.fn_name} exited during start-up "
+                                  f"({_describe_exit(returncode)}); its error is printed above; "
+                                  "num_workers=0 runs it inline") from None
+            why = f"reward function {self.fn_name} killed its worker process ({_describe_exit(returncode)})"
+            return self._replace(w, call, todo, "num_errors", why)
         if msg[0] == "ready":
             w.ready = True
-        elif msg[0] == "result":
-            results[w.chunk.popleft()] = msg[2]
-            w.deadline = time.monotonic() + self.timeout_s  # the next item's clock starts now
+            return
+        i = w.chunk.popleft()
+        if msg[0] == "result":
+            call.results[i] = msg[2]
         else:
-            raise RewardError(msg[2])
+            call.fail(i, "num_errors", msg[2])
+        w.deadline = time.monotonic() + self.timeout_s  # the next response's clock starts now
 
-    def _replace(self, w: _Worker, results: list, stats: dict, todo: deque, counter: str | None) -> None:
-        """Kill a stuck or dead worker, score its current item 0, requeue the rest, start a new worker."""
-        w.kill()
+    def _replace(self, w: _Worker, call: _Call, todo: deque, counter: str | None, why: str | None = None) -> None:
+        """Stop a stuck or dead worker, fail its current response under counter (if any), requeue the rest
+        of its chunk, and start a new worker in its place."""
+        w.stop()
         if counter is not None and w.chunk:
-            results[w.chunk.popleft()] = dict(_TIMED_OUT)
-            stats[counter] += 1
+            call.fail(w.chunk.popleft(), counter, why)
         if w.chunk:
             todo.appendleft(w.chunk)
         w.chunk = deque()
         self.workers[self.workers.index(w)] = _Worker(self.spec)
 
+    def _report(self, call: _Call) -> None:
+        n, num_errors = len(call.items), call.stats["num_errors"]
+        if num_errors == 0:
+            return
+        if num_errors == n:
+            raise RewardError(f"scoring failed for all {n} responses of this call; the first: {call.errors[0]}. "
+                              "Fix the function; RewardScorer(num_workers=0) runs it inline for a debugger")
+        print(f"warning: {num_errors} of {n} responses scored 0 because scoring failed; the first: "
+              f"{call.errors[0]}", file=sys.stderr, flush=True)
+
     def close(self) -> None:
-        """Stop the workers (SIGKILL: they hold no state worth saving)."""
-        for w in self.workers:
-            w.kill()
-        self.workers = []
+        """SIGKILL the workers (they hold nothing worth saving) and reap them. Quick and idempotent, so an
+        exit path can call it right before os._exit."""
+        workers, self.workers = self.workers or [], None
+        for w in workers:  # signal all before waiting on any
+            w.proc.kill()
+        for w in workers:
+            w.stop()
 
     def __enter__(self):
         return self

@@ -1,13 +1,18 @@
 """Specification of reward.py: verl's rule verifiers, custom reward functions, the overlong penalty,
 and the worker pool that scores a batch with a per-call timeout. Expected values are written by hand;
 cases marked "verl:" were checked against verl's reward_score/math_dapo.py or gsm8k.py source."""
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from reward import (RewardError, RewardScorer, arith_score, compute_score, gsm8k_score, load_reward_fn,
-                    math_dapo_score, normalize_final_answer, normalize_result, overlong_penalty)
+import reward
+from reward import (GSM8K_ANSWER, RewardError, RewardScorer, arith_score, check_data_sources, compute_score,
+                    gsm8k_score, load_reward_fn, math_dapo_score, normalize_final_answer, normalize_result,
+                    overlong_penalty)
 
 
 # -----------------------------------------------------------------------------
@@ -302,12 +307,12 @@ def test_scorer_custom_fn_timeout(custom_file):
                                                               {"num_timeouts": 0, "num_errors": 0})
 
 
-def test_scorer_custom_fn_raises(custom_file):
+def test_scorer_custom_fn_raises_on_every_response(custom_file):
     items = [("my_data", "ok", "ok", None), ("my_data", "boom", "x", None)]
     for num_workers in (0, 2):
         with RewardScorer(f"{custom_file}:exact", num_workers=num_workers) as scorer:
             with pytest.raises(RewardError) as e:
-                scorer.score(items)
+                scorer.score(items[1:] * 2)  # every response failed: the function is broken
             for needed in ["exact", "ZeroDivisionError", "division by zero in my grader", "'my_data'", "num_workers=0"]:
                 assert needed in str(e.value)
             assert scorer.score(items[:1])[0] == [{"score": 1.0, "acc": True, "pred": None}]  # still usable
@@ -325,3 +330,202 @@ def test_scorer_bad_return_and_dead_worker(custom_file):
 def test_scorer_bad_spec_fails_at_start():
     with pytest.raises(ValueError, match="path/to/file.py:function_name"):
         RewardScorer("no_colon_here.py")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_workers": -1}, "num_workers=-1 must be an integer >= 0"),
+    ({"num_workers": 1.5}, "num_workers=1.5 must be an integer >= 0"),
+    ({"timeout_s": 0}, "timeout_s=0 must be a finite number of seconds > 0"),
+    ({"timeout_s": -2.0}, "timeout_s=-2.0 must be"),
+    ({"timeout_s": float("inf")}, "timeout_s=inf must be"),
+])
+def test_scorer_rejects_bad_knobs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RewardScorer(**kwargs)
+
+
+# -----------------------------------------------------------------------------
+# checks before any work: data sources, GSM8K's answer pattern, reward files that do not import
+
+def test_check_data_sources():
+    check_data_sources({"math_dapo", "aime2025", "openai/gsm8k", "gsm8k", "arith"}, None)  # all built in
+    check_data_sources({"my_dataset"}, "my_reward.py:grade")  # a custom function takes every data_source
+    with pytest.raises(RewardError) as e:
+        check_data_sources({"math_dapo", "my_b", "my_a"}, None)
+    msg = str(e.value)
+    assert "no verifier for data_source 'my_a', 'my_b';" in msg  # the unknown ones, and only those
+    for needed in ["math_dapo", "aime*", "openai/gsm8k", "arith", 'reward_fn = "path/to/file.py:function_name"']:
+        assert needed in msg
+
+
+def test_gsm8k_answer_pattern_on_a_dataset_solution():
+    solution = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+    assert GSM8K_ANSWER.search(solution).group(1) == "72"
+    assert GSM8K_ANSWER.search("so 1000 in all\n#### 1,000").group(1) == "1,000"  # callers drop the commas
+    assert GSM8K_ANSWER.search("#### -3.5").group(1) == "-3.5"
+
+
+@pytest.mark.parametrize("source, line, cause", [
+    ("X = 1\ndef grade(:\n    return 1\n", 2, "SyntaxError"),
+    ("import os\nimport no_such_module_for_reward_tests\n", 2,
+     "ModuleNotFoundError: No module named 'no_such_module_for_reward_tests'"),
+    ("X = 1\nY = X / 0\n", 2, "ZeroDivisionError: division by zero"),
+])
+def test_load_reward_fn_file_that_does_not_import(tmp_path, source, line, cause):
+    path = tmp_path / "broken.py"
+    path.write_text(source)
+    for load in (load_reward_fn, RewardScorer):  # the scorer loads it in the trainer first, before any worker
+        with pytest.raises(RewardError) as e:
+            load(f"{path}:grade")
+        msg = str(e.value)
+        assert str(path) in msg and f"line {line}" in msg and cause in msg
+    assert "reward_fn_broken" not in sys.modules  # no half-imported module left behind
+
+
+# -----------------------------------------------------------------------------
+# RewardScorer: reward functions that raise, crash their worker, or outlive the trainer
+
+FAILING = """
+import ctypes, os, signal, time
+
+def grade(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "exit":
+        os._exit(3)
+    if solution_str == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if solution_str == "segfault":
+        ctypes.string_at(0)
+    if solution_str == "raise":
+        raise KeyError("no such answer")
+    if solution_str == "sleep":  # ground_truth: a file to create once sleeping starts
+        open(ground_truth, "w").close()
+        time.sleep(60)
+    return 1.0
+"""
+FINE = ("my_data", "fine", "", None)
+SCORED = {"score": 1.0, "acc": True, "pred": None}
+FAILED = {"score": 0.0, "acc": False, "pred": None}
+
+
+@pytest.fixture
+def failing_fn(tmp_path):
+    path = tmp_path / "failing.py"
+    path.write_text(FAILING)
+    return f"{path}:grade"
+
+
+@pytest.mark.parametrize("how, exit_status", [
+    ("exit", "exit code 3"), ("sigkill", "killed by signal SIGKILL"), ("segfault", "killed by signal SIGSEGV")])
+def test_scorer_worker_that_dies(failing_fn, capsys, how, exit_status):
+    with RewardScorer(failing_fn, num_workers=1) as scorer:
+        results, stats = scorer.score([FINE, ("my_data", how, "", None), FINE])
+        assert results == [SCORED, FAILED, SCORED] and stats == {"num_timeouts": 0, "num_errors": 1}
+        warning = capsys.readouterr().err
+        assert warning.count("warning:") == 1  # one line per call
+        assert "1 of 3 responses scored 0" in warning and exit_status in warning
+        with pytest.raises(RewardError) as e:  # every response failed: the function is broken
+            scorer.score([("my_data", how, "", None)] * 2)
+        assert failing_fn in str(e.value) and exit_status in str(e.value)
+        assert scorer.score([FINE]) == ([SCORED], {"num_timeouts": 0, "num_errors": 0})  # replaced workers work
+
+
+def test_scorer_exception_on_one_response(failing_fn, capsys):
+    path = failing_fn.rsplit(":", 1)[0]
+    line = FAILING.splitlines().index('        raise KeyError("no such answer")') + 1
+    for num_workers in (0, 2):
+        with RewardScorer(failing_fn, num_workers=num_workers) as scorer:
+            results, stats = scorer.score([FINE, ("my_data", "raise", "", None), FINE, FINE])
+        assert results == [SCORED, FAILED, SCORED, SCORED] and stats == {"num_timeouts": 0, "num_errors": 1}
+        warning = capsys.readouterr().err
+        assert "1 of 4 responses scored 0" in warning and "KeyError: 'no such answer'" in warning
+        assert f"{path}:{line} in grade" in warning and "data_source='my_data'" in warning
+
+
+def test_scorer_timeouts_alone_do_not_raise(failing_fn, tmp_path):
+    with RewardScorer(failing_fn, num_workers=1, timeout_s=0.5) as scorer:
+        results, stats = scorer.score([("my_data", "sleep", str(tmp_path / "started"), None)])
+    assert results == [FAILED] and stats == {"num_timeouts": 1, "num_errors": 0}
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process; a zombie (exited, waiting for whoever adopted it to reap it) is not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+TRAINER = """
+import sys
+sys.path.insert(0, {repo!r})
+from reward import RewardScorer
+scorer = RewardScorer({spec!r}, num_workers=2, timeout_s=60)
+print(*[w.proc.pid for w in scorer.workers], flush=True)
+scorer.score([("my_data", "sleep", {started!r} + str(i), None) for i in range(2)])
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_workers_die_when_the_trainer_is_sigkilled(failing_fn, tmp_path):
+    started = str(tmp_path / "started")
+    code = TRAINER.format(repo=os.path.dirname(reward.__file__), spec=failing_fn, started=started)
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in trainer.stdout.readline().split()]
+        assert len(workers) == 2
+        # both workers are inside the reward function
+        assert _wait_until(lambda: all(os.path.exists(started + str(i)) for i in range(2)), 30.0)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _wait_until(lambda: not any(_running(pid) for pid in workers), 3.0)
+
+
+ORPHAN = """
+import subprocess, sys
+watched = (
+    "import os, sys, threading, time; sys.path.insert(0, {repo!r}); import reward; "
+    "threading.Thread(target=reward._watch_parent, args=(os.getppid(),), daemon=True).start(); "
+    "print('watching', flush=True); time.sleep(60)")
+child = subprocess.Popen([sys.executable, "-c", watched])
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_watchdog_alone_ends_an_orphaned_worker():
+    # the same as above without the parent-death signal, as on systems without prctl
+    code = ORPHAN.format(repo=os.path.dirname(reward.__file__))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "watching"
+        assert _running(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_until(lambda: not _running(child), 3.0)
+
+
+def test_close_kills_workers_at_once_and_twice_is_fine(failing_fn, tmp_path):
+    scorer = RewardScorer(failing_fn, num_workers=2)
+    workers = [w.proc.pid for w in scorer.workers]
+    start = time.monotonic()
+    scorer.close()
+    scorer.close()
+    assert time.monotonic() - start < 1.0
+    assert not any(_running(pid) for pid in workers)
+    with pytest.raises(RuntimeError, match="after close"):
+        scorer.score([FINE])
