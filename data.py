@@ -1,41 +1,36 @@
 """
-Prompts in, index batches out: parquet datasets in verl's schema, chat templating, truncation,
-overlong-prompt filtering, a resumable sampler, and token-budget micro-batching.
+Prompts in, index batches out: the tokenizer with its chat template, parquet datasets in verl's schema,
+chat templating, truncation, overlong-prompt filtering, a resumable sampler, and token-budget micro-batching.
+No torch here: preparing and inspecting data (prepare_data.py) needs only pyarrow, tokenizers and jinja2.
 
 A row (the schema verl's data preprocessors write, so their parquet files load unchanged):
     {data_source: str, prompt: [{role, content}, ...] or str, ability: str,
      reward_model: {style: "rule", ground_truth: str | [str]}, extra_info: {split, index, ...}}
-
-Command line:
-    python data.py jsonl2parquet IN.jsonl OUT.parquet        # one JSON row per line
-    python data.py make-arith data/arith --train 4000 --val 200   # the CPU demo task
-    python data.py prepare-gsm8k RAW_DIR data/gsm8k   # raw GSM8K (HF or openai jsonl) -> verl's rows
-    python data.py inspect data/gsm8k/train.parquet --tokenizer MODEL_DIR --max_prompt_length 512
 """
-import argparse
-import collections
-import glob
 import json
 import math
 import os
-import re
-import zlib
+from datetime import datetime
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import tokenizers
+from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")  # "prompt" stands for prompt_key
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 SCHEMA = "verl's schema needs data_source, prompt, reward_model.ground_truth"
-SCHEMA_HINT = SCHEMA + "; convert with `python data.py jsonl2parquet`"
+SCHEMA_HINT = SCHEMA + "; convert with `python prepare_data.py jsonl2parquet`"
 
 
 class DataError(ValueError):
-    """A problem with the data or a data knob; the message names the place and the fix."""
+    """A problem with the data, the tokenizer files or a data knob; the message names the place and the fix."""
 
 
-def _required(prompt_key):
+def required_columns(prompt_key):
     return [prompt_key if c == "prompt" else c for c in REQUIRED_COLUMNS]
 
 # -----------------------------------------------------------------------------
@@ -55,7 +50,7 @@ def check_parquet_schema(files, prompt_key="prompt"):
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{f} is not a readable parquet file ({e}); {SCHEMA_HINT}") from None
         schema = pf.schema_arrow
-        for col in _required(prompt_key):
+        for col in required_columns(prompt_key):
             if col not in schema.names:
                 raise DataError(f"missing column '{col}' in {f} (has {schema.names}); {SCHEMA_HINT}")
         rm = schema.field("reward_model").type
@@ -68,7 +63,7 @@ def check_parquet_schema(files, prompt_key="prompt"):
     return total
 
 
-def _messages(value, where, prompt_key):
+def prompt_messages(value, where, prompt_key):
     # verl's prompts are chat messages; a plain string is one user turn
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -81,26 +76,31 @@ def _messages(value, where, prompt_key):
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _ground_truth(reward_model, where):
+def _ground_truth(reward_model, where, float32=False):
     gt = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    if isinstance(gt, (int, float)) and not isinstance(gt, bool):
-        gt = str(gt)  # some converters store numeric answers; verifiers compare strings
+    if isinstance(gt, float) and math.isfinite(gt):  # numeric answers (NaN: a missing one); verifiers compare strings
+        if float32:  # the shortest text that reads back as this float32 ("0.1", not "0.10000000149011612")
+            gt = float(str(np.float32(gt)))
+        gt = str(int(gt)) if gt.is_integer() else repr(gt)  # 85.0 -> "85", 0.5 -> "0.5"
+    elif isinstance(gt, int) and not isinstance(gt, bool):
+        gt = str(gt)
     if isinstance(gt, str) or (isinstance(gt, list) and gt and all(isinstance(g, str) for g in gt)):
         return gt
-    raise DataError(f"{where}, column 'reward_model.ground_truth': expected a string or a list "
-                    f"of strings, got {gt!r:.200}")
+    raise DataError(f"{where}, column 'reward_model.ground_truth': expected a string, a list of strings or "
+                    f"a number, got {type(gt).__name__} {gt!r:.200}; write the answers as strings")
 
 
-def parse_row(row, where, prompt_key="prompt"):
-    """Validate one row of verl's schema; returns it without prompt ids. `where` names the row in errors."""
+def parse_row(row, where, prompt_key="prompt", float32_ground_truth=False):
+    """Validate one row of verl's schema; returns it without prompt ids. `where` names the row in errors;
+    float32_ground_truth: the file stores ground_truth as float32 (then 0.1 is "0.1", not its double)."""
     ds = row.get("data_source")
     if not isinstance(ds, str):
         raise DataError(f"{where}, column 'data_source': expected a string, got {ds!r:.200}")
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
         raise DataError(f"{where}, column 'extra_info': expected a dict, got {extra!r:.200}")
-    return {"data_source": ds, "ground_truth": _ground_truth(row.get("reward_model"), where),
-            "extra_info": extra or {}, "messages": _messages(row.get(prompt_key), where, prompt_key)}
+    return {"data_source": ds, "ground_truth": _ground_truth(row.get("reward_model"), where, float32_ground_truth),
+            "extra_info": extra or {}, "messages": prompt_messages(row.get(prompt_key), where, prompt_key)}
 
 
 def truncate(ids, max_len, mode):
@@ -118,11 +118,12 @@ def truncate(ids, max_len, mode):
 
 
 def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, truncation="error",
-                 filter_overlong_prompts=False, max_samples=-1):
+                 filter_overlong_prompts=False, max_samples=-1, chat_template_kwargs: dict | None = None):
     """Read parquet files in verl's schema (concatenated in order) and tokenize with the chat template.
 
     Each item: {prompt_ids, data_source, ground_truth, extra_info, messages}. Overlong prompts are
-    dropped first (filter_overlong_prompts), then the first max_samples kept, then truncated."""
+    dropped first (filter_overlong_prompts), then the first max_samples kept, then truncated.
+    chat_template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} (Qwen3)."""
     if truncation not in TRUNCATION_MODES:
         raise DataError(f"unknown truncation mode {truncation!r}; use one of {TRUNCATION_MODES}")
     if max_prompt_length < 1:
@@ -136,13 +137,14 @@ def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, tr
             break  # enough rows: skip reading and tokenizing the rest
         schema = pq.read_schema(f)
         cols = [c for c in ("data_source", prompt_key, "reward_model", "extra_info") if c in schema.names]
+        gt_type = schema.field("reward_model").type.field("ground_truth").type
         for r, row in enumerate(pq.read_table(f, columns=cols).to_pylist()):
             if len(items) >= limit:
                 break
             seen += 1
-            item = parse_row(row, f"{f} row {r}", prompt_key)
+            item = parse_row(row, f"{f} row {r}", prompt_key, float32_ground_truth=pa.types.is_float32(gt_type))
             item["prompt_ids"] = list(tokenizer.apply_chat_template(
-                item["messages"], add_generation_prompt=True, tokenize=True))
+                item["messages"], add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})))
             if filter_overlong_prompts and len(item["prompt_ids"]) > max_prompt_length:
                 continue
             items.append(item)
@@ -162,6 +164,18 @@ def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, tr
                 f"rows, or truncation=left/right/middle to cut them (or raise max_prompt_length)")
         item["prompt_ids"] = truncate(item["prompt_ids"], max_prompt_length, truncation)
     return items
+
+
+def write_parquet(rows, path):
+    """Write rows with pyarrow; dicts become structs and message lists list<struct>, as verl's files."""
+    try:
+        table = pa.Table.from_pylist(rows)
+    except pa.ArrowException as e:
+        raise DataError(f"cannot write {path}: a column holds values of different types across rows "
+                        f"({e}); parquet needs one type per column, e.g. every prompt a list of "
+                        f"messages and every ground_truth a string (or every one a list)") from None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    pq.write_table(table, path)
 
 # -----------------------------------------------------------------------------
 # resumable sampler
@@ -244,222 +258,147 @@ def balanced_micro_batches(lengths, max_token_len, min_num_micro_batches=1):
             return sorted(bins, key=lambda b: (-sum(lengths[i] for i in b), b[0]))
         k += 1  # terminates: with one sequence per micro-batch everything fits
 
+
 # -----------------------------------------------------------------------------
-# the CPU demo task and writing parquet
-
-def arith_split(a, b):
-    """Which split the problem a+b belongs to: a stable hash puts ~15% of all problems in val."""
-    return "val" if zlib.crc32(f"{a}+{b}".encode()) % 100 < 15 else "train"
+# tokenizer + chat template (tokenizers and jinja2; renders like transformers' apply_chat_template)
 
 
-def make_arith_rows(num_rows, split, seed=0, max_operand=99):
-    """Integer addition problems in verl's schema; train and val never share a problem."""
-    pool = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)
-            if arith_split(a, b) == split]
-    if not pool:
-        raise DataError(f"no {split!r} problems with max_operand={max_operand}; use split "
-                        f"'train' or 'val' and a larger max_operand")
-    rng = np.random.default_rng(seed)
-    picks = rng.choice(len(pool), size=num_rows, replace=num_rows > len(pool))
-    rows = []
-    for i, p in enumerate(picks.tolist()):
-        a, b = pool[p]
-        rows.append({"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-                     "ability": "arith", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                     "extra_info": {"split": split, "index": i}})
-    return rows
-
-
-def write_parquet(rows, path):
-    """Write rows with pyarrow; dicts become structs and message lists list<struct>, as verl's files."""
+def _read_json(path):
+    """A model directory's JSON file as a dict; {} when the file is absent."""
+    if not os.path.isfile(path):
+        return {}
     try:
-        table = pa.Table.from_pylist(rows)
-    except pa.ArrowException as e:
-        raise DataError(f"cannot write {path}: a column holds values of different types across rows "
-                        f"({e}); parquet needs one type per column, e.g. every prompt a list of "
-                        f"messages and every ground_truth a string (or every one a list)") from None
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pq.write_table(table, path)
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not valid JSON ({e}); copy the file again from the model's source") from None
 
 
-def jsonl_to_rows(path, prompt_key="prompt"):
-    """Read a JSON-lines file of rows in verl's schema, validating each with its line number."""
-    rows = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
+def _token_str(t):
+    return t.get("content") if isinstance(t, dict) else t
+
+
+def _ids(value):
+    return [i for i in (value if isinstance(value, list) else [value]) if i is not None]
+
+
+def _eos_token_ids(tok, eos_token, generation_config, config):
+    """Generation stops at the tokenizer's eos_token plus generation_config.json's eos_token_id; without the
+    latter, config.json's (as transformers' GenerationConfig.from_model_config). Ids in that order, unique."""
+    eos = [tok.token_to_id(eos_token)] if eos_token is not None else []
+    extra = generation_config.get("eos_token_id")
+    if extra is None:
+        extra = config.get("eos_token_id")
+    return list(dict.fromkeys(i for i in eos + _ids(extra) if i is not None))
+
+
+def _template_line(e):
+    """The template line an exception was raised at: jinja rewrites tracebacks to point into '<template>'."""
+    if isinstance(e, TemplateSyntaxError):
+        return e.lineno
+    tb, line = e.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+class Tokenizer:
+    def __init__(self, tok, chat_template: str | None, special: dict, eos_token_ids: list[int],
+                 chat_template_file: str = "the chat template"):
+        self.tok = tok  # tokenizers.Tokenizer
+        self.chat_template = chat_template
+        self.chat_template_file = chat_template_file  # where the template came from, for error messages
+        self.special = special  # bos_token, eos_token, pad_token, unk_token -> str
+        self.eos_token_ids = eos_token_ids
+        self._template = None
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Tokenizer":
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise FileNotFoundError(f"no tokenizer.json in {path!r}; nanodapo reads fast-tokenizer files "
+                                    "(save the tokenizer with transformers' save_pretrained to produce one)")
+        try:
+            tok = tokenizers.Tokenizer.from_file(tj)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+            raise DataError(f"{tj} cannot be loaded by tokenizers {tokenizers.__version__} ({e}); the file is "
+                            "corrupt or truncated (copy it again from the model's source), or was written by a "
+                            "newer tokenizers (pip install -U tokenizers)") from None
+        tc_path = os.path.join(path, "tokenizer_config.json")
+        tc = _read_json(tc_path)
+        template, template_file = tc.get("chat_template"), f"{tc_path} 'chat_template'"
+        if isinstance(template, list):  # named templates: take "default"
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                template, template_file = f.read(), jinja_path
+        special = {k: _token_str(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        eos = _eos_token_ids(tok, special["eos_token"], _read_json(os.path.join(path, "generation_config.json")),
+                             _read_json(os.path.join(path, "config.json")))
+        if not eos:
+            raise DataError(
+                f"no stop token in {path!r}: tokenizer_config.json's eos_token {special['eos_token']!r} is missing or "
+                "not in the vocabulary, and neither generation_config.json nor config.json has an eos_token_id, so "
+                "every response would run to max_response_length; set eos_token in tokenizer_config.json to the "
+                "end-of-turn token (e.g. '<|im_end|>') or eos_token_id in generation_config.json")
+        return cls(tok, template, special, eos, template_file)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
+        if self.chat_template is None:
+            raise DataError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+                            "chat_template.jinja); add one, or give prompts that are already templated")
+        if self._template is None:
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n}: not valid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
-            for key in _required(prompt_key):
-                if key not in row:
-                    raise DataError(f"{path} line {n}: missing key '{key}'; {SCHEMA}")
-            parse_row(row, f"{path} line {n}", prompt_key)
-            rows.append(row)
-    if not rows:
-        raise DataError(f"{path} has no rows")
-    return rows
+                self._template = _compile_template(self.chat_template)
+            except TemplateSyntaxError as e:
+                raise DataError(f"{self.chat_template_file} has a Jinja syntax error at template line "
+                                f"{e.lineno}: {e.message}; fix the template there") from None
+        ctx = {k: v for k, v in self.special.items() if v is not None}
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **ctx, **kwargs)
+        return self.encode(text) if tokenize else text
 
-# -----------------------------------------------------------------------------
-# GSM8K in verl's schema, and a look inside parquet files
-
-# verl's examples/data_preprocess/gsm8k.py: the instruction appended to each question, and the
-# final answer taken from the first "#### <number>" with commas removed ("#### 1,000" -> "1000")
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
-
-
-def gsm8k_row(question, answer, split, index):
-    """One raw GSM8K example as verl's gsm8k preprocessor writes it."""
-    m = GSM8K_ANSWER.search(answer)
-    if m is None:
-        raise DataError(f"answer has no '#### <number>' final answer: {answer!r:.200}")
-    return {"data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": m.group(1).replace(",", "")},
-            "extra_info": {"split": split, "index": index, "answer": answer, "question": question}}
+    def check_chat_template(self, chat_template_kwargs: dict | None = None):
+        """Compile the chat template and render one user message with add_generation_prompt=True, as every
+        prompt will be; a DataError with the Jinja error, its template line and the fix if either fails."""
+        try:
+            self.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True,
+                                     **(chat_template_kwargs or {}))
+        except DataError:
+            raise
+        except Exception as e:  # anything the template raises (TemplateError, TypeError, ...) is its own fault
+            raise DataError(
+                f"{self.chat_template_file} fails on a one-message conversation with add_generation_prompt=True "
+                f"and chat_template_kwargs={chat_template_kwargs}: {type(e).__name__} at template line "
+                f"{_template_line(e)}: {e}; fix the template there, or set chat_template_kwargs to the "
+                "variables it expects") from None
 
 
-def gsm8k_raw_files(raw, split):
-    """A split's raw files: HF's main/{split}-*.parquet (shards in order), {split}.parquet or .jsonl."""
-    for pattern in ("main/{}-*.parquet", "{}-*.parquet", "{}.parquet", "{}.jsonl"):
-        found = sorted(glob.glob(os.path.join(raw, pattern.format(split))))
-        if found:
-            return found
-    raise DataError(f"no raw GSM8K {split} split in {raw}: looked for main/{split}-*.parquet (Hugging "
-                    f"Face openai/gsm8k), {split}.parquet, {split}.jsonl (openai/grade-school-math)")
+def _compile_template(source: str):
+    """The same jinja environment transformers uses: sandboxed, trim_blocks, lstrip_blocks,
+    loop controls, a non-escaping tojson, raise_exception and strftime_now."""
 
+    def raise_exception(message):
+        raise TemplateError(message)
 
-def _raw_gsm8k(f):
-    """(where, example) for each line of a JSON-lines file or row of a parquet file."""
-    if not f.endswith(".jsonl"):
-        return [(f"{f} row {r}", x) for r, x in enumerate(pq.read_table(f).to_pylist())]
-    out = []
-    with open(f) as fh:
-        for n, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append((f"{f} line {n}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{f} line {n}: not valid JSON ({e})") from None
-    return out
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-
-def read_gsm8k(files, split):
-    """Raw GSM8K files ({question, answer} rows) -> rows in verl's schema, indexed across the files."""
-    rows = []
-    for where, x in (item for f in files for item in _raw_gsm8k(f)):
-        if not (isinstance(x, dict) and all(isinstance(x.get(k), str) for k in ("question", "answer"))):
-            raise DataError(f"{where}: expected string fields 'question' and 'answer' (raw GSM8K), "
-                            f"got {x!r:.200}")
-        try:  # index counts rows across a split's shards, as verl's map(with_indices=True)
-            rows.append(gsm8k_row(x["question"], x["answer"], split, len(rows)))
-        except DataError as e:
-            raise DataError(f"{where}: {e}") from None
-    return rows
-
-
-def inspect_files(files, tokenizer=None, max_prompt_length=None, prompt_key="prompt"):
-    """Schema, rows per file, data_source counts and the first row; with a tokenizer, templated
-    prompt length percentiles (numpy's linear interpolation) and the count over max_prompt_length."""
-    check_parquet_schema(files, prompt_key)
-    out = {"files": {}, "rows": 0, "data_sources": collections.Counter()}
-    lengths = []
-    for f in files:
-        pf = pq.ParquetFile(f)
-        out["files"][f] = {"schema": pf.schema_arrow, "rows": pf.metadata.num_rows}
-        out["rows"] += pf.metadata.num_rows
-        if "example" not in out:
-            out["example"] = next(pf.iter_batches(batch_size=1)).to_pylist()[0]
-        cols = ["data_source"] + ([prompt_key] if tokenizer is not None else [])
-        for r, row in enumerate(pf.read(columns=cols).to_pylist()):
-            out["data_sources"][row["data_source"]] += 1
-            if tokenizer is not None:
-                msgs = _messages(row[prompt_key], f"{f} row {r}", prompt_key)
-                lengths.append(len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                                 tokenize=True)))
-    out["data_sources"] = dict(out["data_sources"].most_common())
-    if lengths:
-        q = np.percentile(lengths, [0, 50, 90, 99, 100])
-        out["prompt_lengths"] = dict(zip(("min", "p50", "p90", "p99", "max"), q.tolist()))
-        if max_prompt_length is not None:
-            out["overlong"] = sum(n > max_prompt_length for n in lengths)
-    return out
-
-# -----------------------------------------------------------------------------
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="data tools for nanodapo (verl's parquet schema)")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("jsonl2parquet", help="convert JSON lines in verl's schema to parquet")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p = sub.add_parser("make-arith", help="write the CPU demo task: OUT_DIR/{train,val}.parquet")
-    p.add_argument("out_dir")
-    p.add_argument("--train", type=int, default=4000, help="train rows")
-    p.add_argument("--val", type=int, default=200, help="val rows")
-    p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("prepare-gsm8k", help="raw GSM8K -> OUT_DIR/{train,test}.parquet, as verl")
-    p.add_argument("raw", help="a folder with the train and test splits, or one raw split file")
-    p.add_argument("out_dir")
-    p = sub.add_parser("inspect", help="schema, row and data_source counts, prompt lengths")
-    p.add_argument("files", nargs="+")
-    p.add_argument("--tokenizer", help="model folder; adds templated prompt length percentiles")
-    p.add_argument("--max_prompt_length", type=int, help="count prompts longer than this")
-    p.add_argument("--prompt_key", default="prompt")
-    args = parser.parse_args(argv)
-
-    if args.cmd == "jsonl2parquet":
-        rows = jsonl_to_rows(args.src)
-        write_parquet(rows, args.dst)
-        print(f"wrote {len(rows)} rows to {args.dst}")
-    elif args.cmd == "make-arith":
-        for split, n in (("train", args.train), ("val", args.val)):
-            path = os.path.join(args.out_dir, f"{split}.parquet")
-            write_parquet(make_arith_rows(n, split, seed=args.seed), path)
-            print(f"wrote {n} {split} rows to {path}")
-    elif args.cmd == "prepare-gsm8k":
-        if os.path.isfile(args.raw):  # one split file: its name says which
-            name = os.path.basename(args.raw)
-            splits = [(s, [args.raw]) for s in ("train", "test") if name.startswith(s)]
-            if not splits:
-                raise DataError(f"cannot tell the split of {args.raw}: name it train* or test*")
-        else:
-            splits = [(s, gsm8k_raw_files(args.raw, s)) for s in ("train", "test")]
-        for split, files in splits:
-            rows = read_gsm8k(files, split)
-            path = os.path.join(args.out_dir, f"{split}.parquet")
-            write_parquet(rows, path)
-            print(f"wrote {len(rows)} {split} rows from {', '.join(files)} to {path}")
-    elif args.cmd == "inspect":
-        if args.max_prompt_length is not None and not args.tokenizer:
-            parser.error("--max_prompt_length needs --tokenizer MODEL_DIR to count tokens")
-        tok = None
-        if args.tokenizer:
-            from model import Tokenizer  # torch is imported only when lengths are asked for
-            tok = Tokenizer.from_pretrained(args.tokenizer)
-        info = inspect_files(args.files, tok, args.max_prompt_length, args.prompt_key)
-        for f, d in info["files"].items():
-            print(f"{f}: {d['rows']} rows\n{d['schema']}\n")
-        print(f"rows: {info['rows']}\ndata_source: {info['data_sources']}\nexample row:")
-        for k, v in info["example"].items():
-            print(f"  {k}: {v!r:.300}")
-        if "prompt_lengths" in info:
-            lengths = ", ".join(f"{k} {v:g}" for k, v in info["prompt_lengths"].items())
-            print(f"templated prompt tokens: {lengths}")
-        if "overlong" in info:
-            print(f"longer than max_prompt_length={args.max_prompt_length}: "
-                  f"{info['overlong']} of {info['rows']} rows")
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (DataError, OSError) as e:  # a message, not a traceback, for data mistakes
-        raise SystemExit(f"error: {e}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

@@ -1,7 +1,7 @@
 """
 The policy model: Qwen2 / Qwen2.5 / Qwen3 / Llama-3 decoders in plain torch, HF safetensors in and
-out, a packed ("remove padding") forward, chunked token log-probs + entropy, and the tokenizer
-with its chat template (tokenizers + jinja2, no transformers at run time).
+out, a packed ("remove padding") forward, and chunked token log-probs + entropy. The tokenizer and its
+chat template live in data.py (no torch needed to prepare data).
 
 Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), so a checkpoint
 loads by name and the rollout engine receives HF-named tensors without a mapping table.
@@ -12,11 +12,11 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from datetime import datetime
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 
@@ -40,7 +40,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool | None = None  # q/k/v biases; None = the architecture's default (Qwen2: yes)
     qk_norm: bool = False  # per-head RMSNorm on q and k: set for Qwen3, by the architecture
-    max_position_embeddings: int = 32768
+    max_position_embeddings: int = 32768  # the context limit: prompt + response must fit in it
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json, for saving
@@ -54,7 +54,10 @@ class ModelConfig:
         if self.attention_bias is None:
             self.attention_bias = self.architecture == "Qwen2ForCausalLM"
         self.qk_norm = self.architecture == "Qwen3ForCausalLM"
-        assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs heads % kv_heads == 0"
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} does not divide num_attention_heads="
+                             f"{self.num_attention_heads}: grouped-query attention shares each kv head among an "
+                             "equal number of query heads; fix config.json")
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
@@ -574,8 +577,11 @@ def pack_sequences(seqs: list[list[int]], device=None):
 
 
 def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); copy the file again from the model's source") from None
 
 
 def load_config(path: str) -> ModelConfig:
@@ -583,13 +589,24 @@ def load_config(path: str) -> ModelConfig:
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json in model directory {path!r}; model_path must be an HF model "
                                 "directory (config.json + *.safetensors), e.g. one saved by save_pretrained")
-    return ModelConfig.from_hf(_read_json(cfg_path))
+    try:
+        return ModelConfig.from_hf(_read_json(cfg_path))
+    except KeyError as e:
+        raise ValueError(f"{cfg_path} has no {e.args[0]!r}; an HF config.json of a supported architecture "
+                         "has it (copy the file again from the model's source)") from None
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
 
 
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        return sorted({os.path.join(path, f) for f in _read_json(index)["weight_map"].values()})
+        files = sorted({os.path.join(path, f) for f in _read_json(index)["weight_map"].values()})
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index} lists {len(missing)} shard(s) that are not in {path!r}, e.g. "
+                                    f"{missing[0]!r}; copy the missing shards")
+        return files
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
@@ -597,11 +614,18 @@ def safetensors_files(path: str) -> list[str]:
                             "nanodapo reads HF safetensors checkpoints (convert .bin with transformers' save_pretrained)")
 
 
+def _open_safetensors(f: str):
+    try:
+        return safe_open(f, framework="pt", device="cpu")
+    except SafetensorError as e:  # raised on open for a truncated or corrupt header
+        raise ValueError(f"{f} is not a readable safetensors file ({e}); it is truncated or corrupt: copy it "
+                         "again from the model's source") from None
+
+
 def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=None) -> Transformer:
     """Load an HF checkpoint straight into the module: built on the meta device, optionally sharded by
     `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by
     tensor. Each rank keeps only its shard, so a 32B model never exists twice in memory."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
     cfg = load_config(path)
     files = safetensors_files(path)
@@ -613,7 +637,7 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
     params = dict(model.named_parameters())
     loaded = set()
     for f in files:
-        with safe_open(f, framework="pt", device="cpu") as sf:
+        with _open_safetensors(f) as sf:
             for name in sf.keys():
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
@@ -622,8 +646,9 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
                                      "with this config.json (wrong architecture or config?)")
                 t, p = sf.get_tensor(name), params[name]
                 if t.shape != p.shape:
-                    raise ValueError(f"shape mismatch for {name!r} in {f}: checkpoint {tuple(t.shape)}, "
-                                     f"config.json implies {tuple(p.shape)}")
+                    raise ValueError(f"shape mismatch for {name!r} in {f}: the checkpoint has {tuple(t.shape)}, "
+                                     f"config.json implies {tuple(p.shape)}; config.json does not describe these "
+                                     "weights (copy the model's own config.json)")
                 with torch.no_grad():
                     if isinstance(p, DTensor):  # every rank read the full tensor; keep this rank's shard
                         t = distribute_tensor(t.to(device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
@@ -633,7 +658,9 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors that its config.json implies, e.g. "
+                         f"{missing[:3]}; a shard is missing or config.json does not describe these weights "
+                         "(num_hidden_layers, tie_word_embeddings)")
     return model
 
 
@@ -666,88 +693,3 @@ def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = 5 * 2*
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config.to_hf(dtype), f, indent=2)
-
-
-# -----------------------------------------------------------------------------
-# tokenizer + chat template (tokenizers and jinja2; renders like transformers' apply_chat_template)
-
-
-def _token_str(t):
-    return t.get("content") if isinstance(t, dict) else t
-
-
-class Tokenizer:
-    def __init__(self, tok, chat_template: str | None, special: dict, eos_token_ids: list[int]):
-        self.tok = tok  # tokenizers.Tokenizer
-        self.chat_template = chat_template
-        self.special = special  # bos_token, eos_token, pad_token, unk_token -> str
-        self.eos_token_ids = eos_token_ids
-        self._template = None
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "Tokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-        tj = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tj):
-            raise FileNotFoundError(f"no tokenizer.json in {path!r}; nanodapo reads fast-tokenizer files "
-                                    "(save the tokenizer with transformers' save_pretrained to produce one)")
-        tok = HFTokenizer.from_file(tj)
-        tc_path = os.path.join(path, "tokenizer_config.json")
-        tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
-        template = tc.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            template = {t["name"]: t["template"] for t in template}.get("default")
-        jinja_path = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(jinja_path):
-            with open(jinja_path) as f:
-                template = f.read()
-        special = {k: _token_str(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        eos = []
-        if special["eos_token"] is not None and tok.token_to_id(special["eos_token"]) is not None:
-            eos.append(tok.token_to_id(special["eos_token"]))
-        gc_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gc_path):
-            g = _read_json(gc_path).get("eos_token_id")
-            eos += [i for i in (g if isinstance(g, list) else [g]) if i is not None and i not in eos]
-        return cls(tok, template, special, eos)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
-        if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
-                             "chat_template.jinja); add one, or give prompts that are already templated")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        ctx = {k: v for k, v in self.special.items() if v is not None}
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **ctx, **kwargs)
-        return self.encode(text) if tokenize else text
-
-
-def _compile_template(source: str):
-    """The same jinja environment transformers uses: sandboxed, trim_blocks, lstrip_blocks,
-    loop controls, a non-escaping tojson, raise_exception and strftime_now."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)

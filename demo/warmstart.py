@@ -2,7 +2,7 @@
 The warm start for the CPU demo: a tiny Qwen2 model that already answers in the format
 ("Answer: 85" then <|im_end|>) but is often wrong, so that DAPO has something to learn in minutes.
 
-    cd /work/main && PYTHONPATH=. python demo/warmstart.py     # ~70 s on 2 CPU cores
+    PYTHONPATH=. python demo/warmstart.py     # from the repo root; ~70 s on 2 CPU cores
 
 Writes demo/model/ (config.json, fp32 model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) and demo/data/{train,val}.parquet (5000 / 200 problems a+b with a, b in 0..99;
@@ -27,6 +27,7 @@ import torch
 
 import data
 import model as M
+import prepare_data
 from reward import compute_score
 from rollout import SamplingParams, TorchEngine
 
@@ -63,8 +64,8 @@ def write_tokenizer(path):
     for name, d in (("tokenizer_config.json", config), ("generation_config.json", {"eos_token_id": eos})):
         with open(os.path.join(path, name), "w") as f:
             json.dump(d, f, indent=2)
-    # check: model.Tokenizer reads it back, and a templated prompt round-trips through encode/decode
-    t = M.Tokenizer.from_pretrained(path)
+    # check: data.Tokenizer reads it back, and a templated prompt round-trips through encode/decode
+    t = data.Tokenizer.from_pretrained(path)
     text = t.apply_chat_template([{"role": "user", "content": "37+48="}], add_generation_prompt=True)
     assert text == "<|im_start|>user\n37+48=<|im_end|>\n<|im_start|>assistant\n", text
     ids = t.encode(text)
@@ -126,7 +127,7 @@ def main():
     torch.set_num_threads(args.threads)
     model_dir = os.path.join(args.out, "model")
     tok = write_tokenizer(model_dir)
-    rows = functools.partial(data.make_arith_rows, max_operand=args.max_operand)
+    rows = functools.partial(prepare_data.make_arith_rows, max_operand=args.max_operand)
     val_rows = rows(200, "val", seed=args.seed)
     data.write_parquet(rows(5000, "train", seed=args.seed), os.path.join(args.out, "data", "train.parquet"))
     data.write_parquet(val_rows, os.path.join(args.out, "data", "val.parquet"))

@@ -1,16 +1,17 @@
-"""Specification of data.py: verl-schema parquet in, prompt ids / index batches out."""
+"""Specification of data.py (verl-schema parquet in, prompt ids / index batches out; the tokenizer and its
+chat template) and of prepare_data.py (the demo task, GSM8K, jsonl2parquet, inspect)."""
 import json
 import random
-import sys
-import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import data
-from data import (DataError, PromptSampler, balanced_micro_batches, check_parquet_schema,
-                  load_prompts, make_arith_rows, write_parquet)
+import prepare_data
+from data import DataError, PromptSampler, balanced_micro_batches, check_parquet_schema, load_prompts, write_parquet
+from prepare_data import make_arith_rows
 
 
 class CharTokenizer:
@@ -158,7 +159,7 @@ def test_missing_column_names_file_column_and_fix(tmp_path):
             call()
         msg = str(e.value)
         assert "missing column 'reward_model'" in msg and "train.parquet" in msg
-        assert "python data.py jsonl2parquet" in msg
+        assert "python prepare_data.py jsonl2parquet" in msg
 
 
 def test_custom_prompt_key(tmp_path):
@@ -188,6 +189,45 @@ def test_malformed_row_names_file_row_column(tmp_path, bad, column):
         load([path])
     msg = str(e.value)
     assert "bad.parquet row 1" in msg and column in msg
+
+
+def gt_file(tmp_path, values, arrow_type):
+    path = str(tmp_path / "gt.parquet")
+    rm = pa.array([{"style": "rule", "ground_truth": v} for v in values],
+                  pa.struct([("style", pa.string()), ("ground_truth", arrow_type)]))
+    pq.write_table(pa.table({"data_source": ["x"] * len(values), "prompt": ["p"] * len(values), "reward_model": rm}),
+                   path)
+    return path
+
+
+@pytest.mark.parametrize("arrow_type", [pa.float64(), pa.float32()])
+def test_float_ground_truths_become_strings(tmp_path, arrow_type):
+    # integral -> the integer; otherwise the shortest decimal of the stored number (float32 0.1 is "0.1")
+    path = gt_file(tmp_path, [85.0, 0.5, -3.0, 0.1, 2.25, 1e20], arrow_type)
+    assert [it["ground_truth"] for it in load([path])] == ["85", "0.5", "-3", "0.1", "2.25",
+                                                           "100000000000000000000"]
+
+
+def test_int_ground_truths_become_strings(tmp_path):
+    path = gt_file(tmp_path, [85, -3, 0], pa.int64())
+    assert [it["ground_truth"] for it in load([path])] == ["85", "-3", "0"]
+
+
+@pytest.mark.parametrize("value,arrow_type", [
+    (True, pa.bool_()),
+    ({"a": "1"}, pa.struct([("a", pa.string())])),
+    ([1, 2], pa.list_(pa.int64())),
+    ([], pa.list_(pa.string())),
+    (None, pa.string()),
+    (float("nan"), pa.float64()),
+])
+def test_other_ground_truth_types_are_rejected(tmp_path, value, arrow_type):
+    path = gt_file(tmp_path, ["1", value] if arrow_type == pa.string() else [value, value], arrow_type)
+    row_index = 1 if arrow_type == pa.string() else 0
+    with pytest.raises(DataError) as e:
+        load([path])
+    msg = str(e.value)
+    assert f"gt.parquet row {row_index}" in msg and "'reward_model.ground_truth'" in msg
 
 
 def test_check_parquet_schema(tmp_path):
@@ -342,7 +382,7 @@ def test_arith_splits_disjoint():
 
 
 def test_make_arith_cli_writes_loadable_files(tmp_path):
-    data.main(["make-arith", str(tmp_path / "arith"), "--train", "20", "--val", "5"])
+    prepare_data.main(["make-arith", str(tmp_path / "arith"), "--train", "20", "--val", "5"])
     train, val = str(tmp_path / "arith/train.parquet"), str(tmp_path / "arith/val.parquet")
     assert check_parquet_schema([train]) == 20 and check_parquet_schema([val]) == 5
     item = load([train])[0]
@@ -356,7 +396,7 @@ def test_jsonl2parquet_round_trip(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")  # blank lines are skipped
     dst = str(tmp_path / "out" / "out.parquet")
-    data.main(["jsonl2parquet", str(src), dst])
+    prepare_data.main(["jsonl2parquet", str(src), dst])
     a, b = load([dst])
     assert a["prompt_ids"] == ids("Ua>") and a["ground_truth"] == ["1", "one"]
     assert a["extra_info"] == {"split": "train", "index": 0}
@@ -366,7 +406,7 @@ def test_jsonl2parquet_round_trip(tmp_path):
 def test_jsonl2parquet_plain_string_prompts(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"data_source": "x", "prompt": "hi", "reward_model": {"ground_truth": "1"}}\n')
-    data.main(["jsonl2parquet", str(src), str(tmp_path / "o.parquet")])
+    prepare_data.main(["jsonl2parquet", str(src), str(tmp_path / "o.parquet")])
     assert load([str(tmp_path / "o.parquet")])[0]["prompt_ids"] == ids("Uhi>")
 
 
@@ -386,7 +426,7 @@ def test_jsonl2parquet_errors_name_line(tmp_path, line, phrase):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps(row("a")) + "\n" + line + "\n")
     with pytest.raises(DataError, match=phrase.replace("(", r"\(")):
-        data.main(["jsonl2parquet", str(src), str(tmp_path / "o.parquet")])
+        prepare_data.main(["jsonl2parquet", str(src), str(tmp_path / "o.parquet")])
 
 # -----------------------------------------------------------------------------
 # GSM8K as verl's examples/data_preprocess/gsm8k.py writes it
@@ -396,7 +436,7 @@ GSM8K_SUFFIX = ' Let\'s think step by step and output the final answer after "##
 
 def test_gsm8k_row_matches_verl():
     q, a = "How many?", "10 * 100 = <<10*100=1000>>1000\n#### 1,000"
-    assert data.gsm8k_row(q, a, "train", 3) == {
+    assert prepare_data.gsm8k_row(q, a, "train", 3) == {
         "data_source": "openai/gsm8k",
         "prompt": [{"role": "user", "content": "How many? Let's think step by step and output the "
                                                'final answer after "####".'}],
@@ -409,7 +449,7 @@ def test_gsm8k_row_matches_verl():
                                        ("#### 7 then #### 8", "7"), ("####  9 #### 1,234,567", "1234567")])
 def test_gsm8k_ground_truth_extraction(answer, gt):
     # verl: re.search("#### (\-?[0-9\.\,]+)"), first match, commas removed
-    assert data.gsm8k_row("q", answer, "test", 0)["reward_model"]["ground_truth"] == gt
+    assert prepare_data.gsm8k_row("q", answer, "test", 0)["reward_model"]["ground_truth"] == gt
 
 
 def raw_gsm8k(n, split):
@@ -439,7 +479,7 @@ def test_prepare_gsm8k_hf_parquet_layout(tmp_path):
     pq.write_table(pa.Table.from_pylist(train[:2]), tmp_path / "raw/main/train-00000-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(train[2:]), tmp_path / "raw/main/train-00001-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(test), tmp_path / "raw/main/test-00000-of-00001.parquet")
-    data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+    prepare_data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
     check_prepared(tmp_path / "out", "train", train)
     check_prepared(tmp_path / "out", "test", test)
 
@@ -449,11 +489,11 @@ def test_prepare_gsm8k_jsonl_layout_and_single_file(tmp_path):
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw/train.jsonl").write_text("\n".join(json.dumps(x) for x in train) + "\n\n")
     (tmp_path / "raw/test.jsonl").write_text(json.dumps(test[0]) + "\n")
-    data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+    prepare_data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
     check_prepared(tmp_path / "out", "train", train)
     check_prepared(tmp_path / "out", "test", test)
     # one file: its name gives the split, and only that split is written
-    data.main(["prepare-gsm8k", str(tmp_path / "raw/test.jsonl"), str(tmp_path / "one")])
+    prepare_data.main(["prepare-gsm8k", str(tmp_path / "raw/test.jsonl"), str(tmp_path / "one")])
     check_prepared(tmp_path / "one", "test", test)
     assert not (tmp_path / "one/train.parquet").exists()
 
@@ -465,15 +505,15 @@ def test_prepare_gsm8k_errors(tmp_path):
     (tmp_path / "raw/train.jsonl").write_text("\n".join(json.dumps(x) for x in bad))
     (tmp_path / "raw/test.jsonl").write_text(json.dumps(raw_gsm8k(1, "test")[0]))
     with pytest.raises(DataError, match=r"train.jsonl line 2: answer has no '#### <number>'"):
-        data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+        prepare_data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
     pq.write_table(pa.Table.from_pylist(bad), tmp_path / "raw/main/train-00000-of-00001.parquet")
     with pytest.raises(DataError, match=r"train-00000-of-00001.parquet row 1: answer has no"):
-        data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
+        prepare_data.main(["prepare-gsm8k", str(tmp_path / "raw"), str(tmp_path / "out")])
     with pytest.raises(DataError, match="no raw GSM8K test split in .*raw/main: looked for main/test-"):
-        data.main(["prepare-gsm8k", str(tmp_path / "raw/main"), str(tmp_path / "out")])  # train only
+        prepare_data.main(["prepare-gsm8k", str(tmp_path / "raw/main"), str(tmp_path / "out")])  # train only
     (tmp_path / "raw/train.jsonl").write_text('{"question": "q"}\n')
     with pytest.raises(DataError, match="train.jsonl line 1: expected string fields 'question' and 'answer'"):
-        data.main(["prepare-gsm8k", str(tmp_path / "raw/train.jsonl"), str(tmp_path / "out")])
+        prepare_data.main(["prepare-gsm8k", str(tmp_path / "raw/train.jsonl"), str(tmp_path / "out")])
 
 # -----------------------------------------------------------------------------
 # inspect, on files shaped like DAPO-Math-17k and AIME-2024 (BytedTsinghua-SIA)
@@ -499,7 +539,7 @@ def dapo_and_aime(tmp_path):
 
 def test_inspect_counts_and_example(tmp_path):
     dapo, a, b = dapo_and_aime(tmp_path)
-    info = data.inspect_files([a, b])
+    info = prepare_data.inspect_files([a, b])
     assert {f: d["rows"] for f, d in info["files"].items()} == {a: 3, b: 2}
     assert info["rows"] == 5
     assert info["data_sources"] == {"math_dapo": 3, "aime24": 2}
@@ -513,23 +553,206 @@ def test_inspect_prompt_lengths(tmp_path):
     base = len(DAPO_PROMPT.format("")) + 2  # CharTokenizer adds "U" and ">"
     # problem lengths 1 2 5 | 3 9, sorted 1 2 3 5 9; linear percentile at position p * (5 - 1):
     # p50 -> 3, p90 -> 5 + 0.6 * (9 - 5) = 7.4, p99 -> 5 + 0.96 * 4 = 8.84
-    info = data.inspect_files([a, b], TOK, max_prompt_length=base + 3)
+    info = prepare_data.inspect_files([a, b], TOK, max_prompt_length=base + 3)
     assert info["prompt_lengths"] == pytest.approx(
         {"min": base + 1, "p50": base + 3, "p90": base + 7.4, "p99": base + 8.84, "max": base + 9})
     assert info["overlong"] == 2  # problems of 5 and 9 characters
-    assert data.inspect_files([a, b], TOK, max_prompt_length=base + 9)["overlong"] == 0
+    assert prepare_data.inspect_files([a, b], TOK, max_prompt_length=base + 9)["overlong"] == 0
 
 
 def test_inspect_cli_prints(tmp_path, capsys, monkeypatch):
     _, a, b = dapo_and_aime(tmp_path)
-    fake_model = types.SimpleNamespace(Tokenizer=types.SimpleNamespace(from_pretrained=lambda d: TOK))
-    monkeypatch.setitem(sys.modules, "model", fake_model)  # the CLI imports model only for --tokenizer
+    monkeypatch.setattr(prepare_data.Tokenizer, "from_pretrained", lambda d: TOK)
     base = len(DAPO_PROMPT.format("")) + 2
-    data.main(["inspect", a, b, "--tokenizer", "some/model", "--max_prompt_length", str(base + 3)])
+    prepare_data.main(["inspect", a, b, "--tokenizer", "some/model", "--max_prompt_length", str(base + 3)])
     out = capsys.readouterr().out
     for phrase in [f"{a}: 3 rows", f"{b}: 2 rows", "rows: 5", "{'math_dapo': 3, 'aime24': 2}",
                    "ground_truth': '34'", f"min {base + 1}, p50 {base + 3}, p90 {base + 7.4:g}",
                    f"max_prompt_length={base + 3}: 2 of 5 rows"]:
         assert phrase in out
     with pytest.raises(SystemExit):
-        data.main(["inspect", a, "--max_prompt_length", "5"])  # lengths need a tokenizer
+        prepare_data.main(["inspect", a, "--max_prompt_length", "5"])  # lengths need a tokenizer
+
+# -----------------------------------------------------------------------------
+# tokenizer and chat template, against transformers (a test-only reference)
+
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}\n"
+    "    {%- if message.role not in ['user', 'assistant', 'system'] %}"
+    "{{ raise_exception('bad role ' + message.role) }}{% endif %}\n"
+    "    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n"
+    "{%- endif %}\n{{- (messages | tojson) if false }}"
+)
+
+
+def make_tokenizer_dir(path):
+    """A trained byte-level BPE saved by transformers, with a Qwen-style template and generation_config.json."""
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["What is 2+2? The answer is 4.", "Solve the problem step by step. Answer: 12"] * 20,
+                            trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>")
+    fast.chat_template = QWEN_TEMPLATE
+    fast.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return fast
+
+
+def test_tokenizer_matches_transformers(tmp_path):
+    ref = make_tokenizer_dir(tmp_path)
+    ours = data.Tokenizer.from_pretrained(str(tmp_path))
+    text = "What is 12+30? Answer: 42 — ünïcode"
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+    ids = ref.encode(text, add_special_tokens=False) + [2]
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    for msgs in ([{"role": "user", "content": "What is 2+2?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}]):
+        for gen in (True, False):
+            assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == \
+                ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+        assert ours.apply_chat_template(msgs, tokenize=True) == \
+            ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ours.apply_chat_template(msgs, enable_thinking=False) == \
+            ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert ours.eos_token_ids == [2, 0]  # eos_token first, then generation_config's extra ids
+    with pytest.raises(Exception, match="bad role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_tokenizer_without_template_is_a_clear_error(tmp_path):
+    make_tokenizer_dir(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in tmp_path.glob("chat_template.jinja"):
+        f.unlink()
+    tok = data.Tokenizer.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 in byte_tokenizer_dir
+TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def byte_tokenizer_dir(path, template=TEMPLATE, eos_token="<|im_end|>", generation_config=None, config=None):
+    """A model directory's tokenizer files: one token per byte plus SPECIALS; the JSON files given."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    tc = {"chat_template": template} if template is not None else {}
+    if eos_token is not None:
+        tc["eos_token"] = eos_token
+    files = {"tokenizer_config.json": tc, "generation_config.json": generation_config, "config.json": config}
+    for name, d in files.items():
+        if d is not None:
+            (path / name).write_text(json.dumps(d))
+    return str(path)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    template = TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    tok = data.Tokenizer.from_pretrained(byte_tokenizer_dir(tmp_path / "m", template=template))
+    path = write(tmp_path, "p.parquet", [row("hi")])
+    plain = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    (item,) = load_prompts([path], tok, max_prompt_length=100)
+    assert tok.decode(item["prompt_ids"], skip_special_tokens=False) == plain
+    (item,) = load_prompts([path], tok, max_prompt_length=100, chat_template_kwargs={"enable_thinking": False})
+    assert tok.decode(item["prompt_ids"], skip_special_tokens=False) == plain + "<think>\n\n</think>\n\n"
+    # one id per special, one per byte: <|im_start|> "user\n" "hi" <|im_end|> "\n" <|im_start|> "assistant\n" + 19
+    assert len(item["prompt_ids"]) == 1 + 5 + 2 + 1 + 1 + 1 + 10 + 19
+
+
+@pytest.mark.parametrize("eos_token,generation_config,config,expected", [
+    ("<|im_end|>", None, None, [2]),                                   # the tokenizer's eos_token alone
+    ("<|im_end|>", None, {"eos_token_id": 0}, [2, 0]),                 # no generation_config.json: config.json's
+    (None, {"eos_token_id": 0}, {"eos_token_id": 2}, [0]),             # generation_config.json wins over config.json
+    (None, None, {"eos_token_id": 0}, [0]),                            # no eos_token: config.json's (int)
+    ("<|eot|>", {"bos_token_id": 1}, {"eos_token_id": [2, 0]}, [2, 0]),  # eos_token not in vocab, gc without eos: list
+])
+def test_eos_token_ids_fall_back_like_transformers(tmp_path, eos_token, generation_config, config, expected):
+    path = byte_tokenizer_dir(tmp_path, eos_token=eos_token, generation_config=generation_config, config=config)
+    assert data.Tokenizer.from_pretrained(path).eos_token_ids == expected
+
+
+@pytest.mark.parametrize("eos_token,generation_config,config", [
+    (None, None, None), ("<|eot|>", {}, {"vocab_size": 10}), (None, {"eos_token_id": None}, {"eos_token_id": None})])
+def test_no_stop_token_is_a_clear_error(tmp_path, eos_token, generation_config, config):
+    path = byte_tokenizer_dir(tmp_path, eos_token=eos_token, generation_config=generation_config, config=config)
+    with pytest.raises(DataError) as e:
+        data.Tokenizer.from_pretrained(path)
+    msg = str(e.value)
+    assert "no stop token" in msg and "max_response_length" in msg
+    assert "eos_token in tokenizer_config.json" in msg and "eos_token_id in generation_config.json" in msg
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": "1.0"}', "TRUNCATE"])
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, content):
+    path = byte_tokenizer_dir(tmp_path)
+    tj = tmp_path / "tokenizer.json"
+    tj.write_text(tj.read_text()[:200] if content == "TRUNCATE" else content)
+    with pytest.raises(DataError) as e:
+        data.Tokenizer.from_pretrained(path)
+    assert str(tj) in str(e.value) and "copy it again" in str(e.value)
+
+
+def test_corrupt_tokenizer_config_names_the_file(tmp_path):
+    path = byte_tokenizer_dir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": ')
+    with pytest.raises(DataError, match="tokenizer_config.json is not valid JSON"):
+        data.Tokenizer.from_pretrained(path)
+
+
+def test_check_chat_template_accepts_a_working_template(tmp_path):
+    data.Tokenizer.from_pretrained(byte_tokenizer_dir(tmp_path)).check_chat_template()
+
+
+def test_check_chat_template_syntax_error_names_file_and_line(tmp_path):
+    bad = "{% for m in messages %}\n{{ m['content'] }}\n{% if add_generation_prompt %}x{% endfor %}"
+    tok = data.Tokenizer.from_pretrained(byte_tokenizer_dir(tmp_path, template=bad))
+    with pytest.raises(DataError) as e:
+        tok.check_chat_template()
+    msg = str(e.value)
+    assert "tokenizer_config.json 'chat_template'" in msg and "syntax error at template line 3" in msg
+    assert "endfor" in msg and "fix the template" in msg
+
+
+def test_check_chat_template_render_error_names_line_and_kwargs(tmp_path):
+    # a template that needs a variable (as a model's template may need enable_thinking), in chat_template.jinja
+    needs = "{{ bos_token }}\n{% if mode is not defined %}{{ raise_exception('pass mode') }}{% endif %}\n" + TEMPLATE
+    path = byte_tokenizer_dir(tmp_path, template=None)
+    (tmp_path / "chat_template.jinja").write_text(needs)
+    tok = data.Tokenizer.from_pretrained(path)
+    with pytest.raises(DataError) as e:
+        tok.check_chat_template()
+    msg = str(e.value)
+    for phrase in ["chat_template.jinja fails", "TemplateError at template line 2: pass mode", "chat_template_kwargs"]:
+        assert phrase in msg
+    tok.check_chat_template({"mode": 1})
+    with pytest.raises(DataError, match="TypeError at template line 1"):  # bos_token unset: "" + None
+        data.Tokenizer.from_pretrained(byte_tokenizer_dir(tmp_path / "b", template="{{ '' + bos_token }}")) \
+            .check_chat_template({"bos_token": None})
+
+
+def test_check_chat_template_without_template(tmp_path):
+    tok = data.Tokenizer.from_pretrained(byte_tokenizer_dir(tmp_path, template=None))
+    with pytest.raises(DataError, match="no chat template"):
+        tok.check_chat_template()

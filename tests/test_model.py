@@ -2,9 +2,11 @@
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 import model as M
+from conftest import make_model_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -149,83 +151,76 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         M.from_pretrained(str(tmp_path / "nope"))
 
 
-def test_shape_mismatch_and_missing_tensors_name_the_tensor(tmp_path):
-    m = hf_model("qwen2")
-    m.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 100}))
-    with pytest.raises(ValueError, match="mlp.*shape mismatch|shape mismatch.*mlp"):
-        M.from_pretrained(str(tmp_path), dtype=torch.float32)
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
-    with pytest.raises(ValueError, match="lacks"):
-        M.from_pretrained(str(tmp_path), dtype=torch.float32)
-
-
 # -----------------------------------------------------------------------------
-# tokenizer
-
-QWEN_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{%- endif %}\n"
-    "{%- for message in messages %}\n"
-    "    {%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}\n"
-    "    {%- if message.role not in ['user', 'assistant', 'system'] %}"
-    "{{ raise_exception('bad role ' + message.role) }}{% endif %}\n"
-    "    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
-    "    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n"
-    "{%- endif %}\n{{- (messages | tojson) if false }}"
-)
+# a model directory that does not match its config.json, or is damaged (tiny dirs from conftest.make_model_dir:
+# Qwen2, hidden 32, MLP 64, 2 layers, 4 heads / 2 kv heads, 512 positions)
 
 
-def make_tokenizer_dir(path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["What is 2+2? The answer is 4.", "Solve the problem step by step. Answer: 12"] * 20,
-                            trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                                pad_token="<|endoftext|>")
-    fast.chat_template = QWEN_TEMPLATE
-    fast.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
-    return fast
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
 
 
-def test_tokenizer_matches_transformers(tmp_path):
-    ref = make_tokenizer_dir(tmp_path)
-    ours = M.Tokenizer.from_pretrained(str(tmp_path))
-    text = "What is 12+30? Answer: 42 — ünïcode"
-    assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
-    ids = ref.encode(text, add_special_tokens=False) + [2]
-    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
-    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
-    for msgs in ([{"role": "user", "content": "What is 2+2?"}],
-                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                  {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}]):
-        for gen in (True, False):
-            assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == \
-                ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
-        assert ours.apply_chat_template(msgs, tokenize=True) == \
-            ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        assert ours.apply_chat_template(msgs, enable_thinking=False) == \
-            ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, enable_thinking=False)
-    assert ours.eos_token_ids == [2, 0]  # eos_token first, then generation_config's extra ids
-    with pytest.raises(Exception, match="bad role tool"):
-        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+def test_context_limit_is_on_the_config(tmp_path):
+    assert M.load_config(str(make_model_dir(tmp_path))).max_position_embeddings == 512
 
 
-def test_tokenizer_without_template_is_a_clear_error(tmp_path):
-    make_tokenizer_dir(tmp_path)
-    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template", None)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    for f in tmp_path.glob("chat_template.jinja"):
-        f.unlink()
-    tok = M.Tokenizer.from_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "x"}])
+def test_wrong_shape_names_tensor_file_and_both_shapes(tmp_path):
+    path = make_model_dir(tmp_path)
+    edit_config(path, intermediate_size=80)
+    with pytest.raises(ValueError) as e:
+        M.from_pretrained(str(path), dtype=torch.float32)
+    msg = str(e.value)
+    assert "'model.layers.0.mlp.down_proj.weight'" in msg and "model.safetensors" in msg
+    assert "the checkpoint has (32, 64), config.json implies (32, 80)" in msg
+
+
+def test_missing_tensors_are_listed(tmp_path):
+    path = make_model_dir(tmp_path)
+    tensors = safetensors.torch.load_file(str(path / "model.safetensors"))
+    for name in ("model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        del tensors[name]
+    safetensors.torch.save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        M.from_pretrained(str(path), dtype=torch.float32)
+    msg = str(e.value)
+    assert "lacks 2 tensors" in msg and "'model.layers.1.mlp.up_proj.weight', 'model.norm.weight'" in msg
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    path = make_model_dir(tmp_path)
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ValueError) as e:
+        M.from_pretrained(str(path), dtype=torch.float32)
+    assert str(f) in str(e.value) and "truncated or corrupt" in str(e.value)
+
+
+def test_missing_shard_names_index_and_shard(tmp_path):
+    path = make_model_dir(tmp_path)
+    M.save_pretrained(M.from_pretrained(str(path), dtype=torch.float32), str(path), max_shard_bytes=20_000)
+    (path / "model.safetensors").unlink()  # the single file from make_model_dir, superseded by the index
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    with pytest.raises(FileNotFoundError, match=f"model.safetensors.index.json lists 1 shard.*{shards[-1].name}"):
+        M.from_pretrained(str(path), dtype=torch.float32)
+
+
+def test_kv_heads_must_divide_heads(tmp_path):
+    path = make_model_dir(tmp_path)
+    edit_config(path, num_key_value_heads=3)
+    with pytest.raises(ValueError) as e:
+        M.load_config(str(path))
+    msg = str(e.value)
+    assert "config.json" in msg and "num_key_value_heads=3 does not divide num_attention_heads=4" in msg
+
+
+def test_unreadable_config_json(tmp_path):
+    path = make_model_dir(tmp_path)
+    (path / "config.json").write_text('{"architectures": ')
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        M.load_config(str(path))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 32}))
+    with pytest.raises(ValueError, match="config.json has no 'vocab_size'"):
+        M.load_config(str(path))
