@@ -27,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
+import data  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import rollout as R  # noqa: E402
@@ -52,8 +53,7 @@ def main():
                           max_num_seqs=256, enforce_eager=bool(a.enforce_eager), seed=0)
     fig = {"engine_start_s": time.perf_counter() - t0, "world_size": dims.world_size, "gen_tp": a.gen_tp}
     model = M.from_pretrained(a.model_dir, dtype=torch.float32, device=dims.device)
-    tok = M.Tokenizer.from_pretrained(a.model_dir)
-    import data
+    tok = data.Tokenizer.from_pretrained(a.model_dir)
     prompts = [p["prompt_ids"] for p in data.load_prompts(a.data, tok, max_prompt_length=512, truncation="left",
                                                            max_samples=a.num_prompts)]
     _, lo, hi = R.engine_share(len(prompts), dims.world_size, a.gen_tp, dims.rank)
