@@ -274,9 +274,11 @@ def _describe_exception(e: BaseException) -> str:
 
 
 def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"killed by signal {signal.Signals(-returncode).name}"
-    return f"exit code {returncode}"
+    """Popen's returncode in words: "exit code 3", "killed by signal SIGSEGV"."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    names = {s.value: s.name for s in signal.Signals}
+    return f"killed by signal {names.get(-returncode, -returncode)}"
 
 
 def _score_one(fn, fn_name: str, item) -> tuple[dict | None, str | None]:
@@ -292,14 +294,14 @@ def _score_one(fn, fn_name: str, item) -> tuple[dict | None, str | None]:
         return None, f"reward function {fn_name} raised {_describe_exception(e)}"
 
 
-def _set_parent_death_signal() -> bool:
-    """Ask Linux to SIGKILL this process when its parent thread exits; False where prctl is unavailable."""
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when the parent thread that started it exits; elsewhere a no-op."""
     if not sys.platform.startswith("linux"):
-        return False
+        return
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no libc symbols to load (static or unusual builds)
+        pass
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -479,12 +481,15 @@ class RewardScorer:
         print(f"warning: {num_errors} of {n} responses scored 0 because scoring failed; the first: "
               f"{call.errors[0]}", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
-        """SIGKILL the workers (they hold nothing worth saving) and reap them. Quick and idempotent, so an
-        exit path can call it right before os._exit."""
-        workers, self.workers = self.workers or [], None
-        for w in workers:  # signal all before waiting on any
+    def kill(self) -> None:
+        """SIGKILL every worker and return without waiting: for a signal handler right before os._exit."""
+        for w in self.workers or []:
             w.proc.kill()
+
+    def close(self) -> None:
+        """SIGKILL the workers (they hold nothing worth saving) and reap them; calling it again does nothing."""
+        self.kill()
+        workers, self.workers = self.workers or [], None
         for w in workers:
             w.stop()
 
