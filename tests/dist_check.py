@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_parallel.py and tests/test_sp.py on CPU with gloo. Modes:
-  fsdp | tp | fsdp_tp   a few AdamW steps of a tiny Qwen3, sharded so; rank 0 saves full params + losses
+  fsdp | tp | fsdp_tp   a few AdamW steps of a tiny Qwen3, sharded so; rank 0 saves full params + losses, and
+                        sum_over_dp of {"a": dp_rank + 1, "b": 0.5}
   sp | sp_tp | sp4 | sp_compile
                         sequence parallel (sp=2; sp_tp: and tp=2; sp4: sp=4; sp_compile: compiled blocks), FSDP
                         over the sp ranks, activation checkpointing: one forward + backward (log-probs, entropy,
@@ -85,6 +86,7 @@ def main(mode, ckpt_dir, out):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if mode in ("fsdp", "tp", "fsdp_tp", "single"):
         result["losses"] = train_steps(model, opt, dims)
+        result["dp_sum"] = parallel.sum_over_dp({"a": dims.dp_rank + 1.0, "b": 0.5}, dims)
     elif mode in ("sp", "sp_tp", "sp4", "sp_compile"):
         model.gradient_checkpointing = True  # backward then recomputes the all-to-alls
         result.update(forward_backward(model, dims))
@@ -101,7 +103,8 @@ def main(mode, ckpt_dir, out):
         import train_dapo as T
         train_steps(model, opt, dims, steps=1)
         export = lambda tmp: T.export_hf(model, tmp, dims, torch.float32)  # noqa: E731
-        parallel.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, {"step": 1}, dims, export)
+        state = {"step": 1, "scheduler": {}, "sampler": {}}
+        parallel.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, state, dims, export)
     elif mode == "load":  # resume that checkpoint, one more step (uses the restored Adam moments)
         result["state"] = parallel.load_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, dims)
         train_steps(model, opt, dims, steps=1)

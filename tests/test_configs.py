@@ -1,5 +1,5 @@
 """configs/*.py: every recipe parses and validates at its own world size; the 32B recipe's batch arithmetic; the
---dry_run memory planner (parallel.memory_plan) on a tiny made-up model, by hand; model.KNOWN_CONFIGS against the
+--dry_run memory planner (plan.memory_plan) on a tiny made-up model, by hand; model.KNOWN_CONFIGS against the
 published parameter counts."""
 import glob
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 
 import model as M
-import parallel
+import plan
 import train_dapo as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +92,7 @@ def test_tiny_model_parameter_count():
 
 
 def test_memory_plan_dp4_tp2_by_hand():
-    b = plan_bytes(parallel.memory_plan(tiny_cfg(), tiny_model(), world_size=8, gpu_gib=80, runtime_gib=0))
+    b = plan_bytes(plan.memory_plan(tiny_cfg(), tiny_model(), world_size=8, gpu_gib=80, runtime_gib=0))
     # one GPU holds 1/8 of the TP-sharded weights and 1/4 of the rest: 2*36,992/8 + (202,304 - 73,984)/4 = 41,328
     assert b["params"] == 4 * 41_328 == 165_312
     assert b["grads"] == 165_312
@@ -114,8 +114,8 @@ def test_memory_plan_peak_is_resident_plus_larger_phase_and_verdict_flips():
     resident = 4 * 165_312 + 404_608  # params, grads, AdamW (2x), engine copy
     training = 586_752 + 262_144 + 192_000  # working weights, activations, log-prob buffer
     peak = resident + max(training, 131_072)
-    small = parallel.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 0.99, runtime_gib=0)
-    large = parallel.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 1.01, runtime_gib=0)
+    small = plan.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 0.99, runtime_gib=0)
+    large = plan.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 1.01, runtime_gib=0)
     for p in (small, large):
         assert round(p["peak_gib"] * GiB) == peak
         assert p["peak_phase"] == "training"
@@ -123,25 +123,25 @@ def test_memory_plan_peak_is_resident_plus_larger_phase_and_verdict_flips():
     assert large["knob"] is None
     assert small["largest"] == "working" and "tp_size" in small["knob"]  # 586,752 bytes: the largest term
     # the default runtime allowance (CUDA context, NCCL, allocator slack) is resident
-    assert parallel.memory_plan(cfg, mc, 8, gpu_gib=80)["peak_gib"] == pytest.approx(peak / GiB + 3.0)
+    assert plan.memory_plan(cfg, mc, 8, gpu_gib=80)["peak_gib"] == pytest.approx(peak / GiB + 3.0)
 
 
 def test_memory_plan_offload_moves_states_to_the_host():
-    b0 = parallel.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0)
-    p = parallel.memory_plan(tiny_cfg(param_offload=True, optimizer_offload=True), tiny_model(), 8, 80, runtime_gib=0)
+    b0 = plan.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0)
+    p = plan.memory_plan(tiny_cfg(param_offload=True, optimizer_offload=True), tiny_model(), 8, 80, runtime_gib=0)
     assert p["gib"]["params"] == p["gib"]["grads"] == p["gib"]["optimizer"] == 0
     assert round(p["host_gib"] * GiB) == 16 * 41_328  # 4 + 4 + 8 bytes per parameter of this GPU's shard
     assert b0["host_gib"] == 0
     assert round((b0["peak_gib"] - p["peak_gib"]) * GiB) == 16 * 41_328
     # the reference model (KL loss) is a further fp32 shard, offloaded with the rest
-    r = parallel.memory_plan(tiny_cfg(use_kl_loss=True, param_offload=True), tiny_model(), 8, 80, runtime_gib=0)
+    r = plan.memory_plan(tiny_cfg(use_kl_loss=True, param_offload=True), tiny_model(), 8, 80, runtime_gib=0)
     assert round(r["host_gib"] * GiB) == 20 * 41_328 and r["gib"]["ref_params"] == 0
 
 
 def test_memory_plan_without_checkpointing_keeps_every_block():
-    p = parallel.memory_plan(tiny_cfg(gradient_checkpointing=False), tiny_model(), 8, gpu_gib=1e-4, runtime_gib=0)
+    p = plan.memory_plan(tiny_cfg(gradient_checkpointing=False), tiny_model(), 8, gpu_gib=1e-4, runtime_gib=0)
     assert round(p["gib"]["activations"] * GiB) == 2 * 128 * 1_792
-    p = parallel.memory_plan(tiny_cfg(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=64), tiny_model(), 8,
+    p = plan.memory_plan(tiny_cfg(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=64), tiny_model(), 8,
                              gpu_gib=1e-4, runtime_gib=0)
     assert p["largest"] == "activations" and p["knob"] == "gradient_checkpointing=True"
 
@@ -153,26 +153,34 @@ def test_activation_estimate_matches_a_measurement():
                        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
     cfg = tiny_cfg(tp_size=1, gradient_checkpointing=False, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384,
                    max_prompt_length=16, max_response_length=16368)
-    p = parallel.memory_plan(cfg, mc, 8, 141)
+    p = plan.memory_plan(cfg, mc, 8, 141)
     assert p["gib"]["activations"] * GiB / (16384 * 28) == pytest.approx(108_870, rel=0.02)
 
 
 def test_memory_plan_token_budget_and_kv_knob():
     # use_dynamic_bsz: the token budget replaces micro-batch x sequence length
-    p = parallel.memory_plan(tiny_cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), tiny_model(), 8, 80,
+    p = plan.memory_plan(tiny_cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), tiny_model(), 8, 80,
                              runtime_gib=0)
     assert round(p["gib"]["activations"] * GiB) == 256 * 64 * 2 * 2 + 256 * 1_792
     # a big KV cache: max_num_seqs is the knob; at its floor (n rows) the response length is
-    p = parallel.memory_plan(tiny_cfg(max_num_seqs=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
+    p = plan.memory_plan(tiny_cfg(max_num_seqs=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
     assert p["largest"] == "kv_cache" and p["knob"].startswith("max_num_seqs")
-    p = parallel.memory_plan(tiny_cfg(max_num_seqs=2, n=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
+    p = plan.memory_plan(tiny_cfg(max_num_seqs=2, n=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
     assert p["kv_rows"] == 4096 and p["knob"].startswith("max_response_length")
+
+
+def test_memory_plan_refuses_a_mesh_that_does_not_divide():
+    # the tiny model has 4 query heads and 2 kv heads
+    with pytest.raises(ValueError, match=r"sp_size=1 x tp_size=3 = 3 must divide the world size 8"):
+        plan.memory_plan(tiny_cfg(tp_size=3), tiny_model(), 8, 80)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 must be divisible by tp_size=4"):
+        plan.memory_plan(tiny_cfg(tp_size=4), tiny_model(), 8, 80)
 
 
 def test_memory_plan_single_gpu_has_no_fsdp():
     # world size 1: full fp32 copies, autocast's bf16 copy while training, the engine shares the trainer's fp32
     # weights (no second copy; its KV cache is bf16, generated under autocast), and offload does not apply
-    p = parallel.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
+    p = plan.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
     b = plan_bytes(p)
     assert (b["params"], b["grads"], b["optimizer"]) == (4 * 202_304, 4 * 202_304, 8 * 202_304)
     assert (b["working"], b["engine_weights"], b["kv_cache"]) == (2 * 202_304, 0, 131_072)
@@ -183,8 +191,8 @@ def test_memory_plan_with_the_vllm_engine():
     """vLLM replaces the built-in engine's weight copy and KV cache by its awake pool (utilization x GPU), ~1 GiB
     while asleep, and one push bucket; the note gives its KV capacity in full-length sequences, by hand."""
     cfg = tiny_cfg(gpu_memory_utilization=0.5, weight_sync_bucket_mb=1, gen_tp=2)
-    torch_plan = parallel.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0)
-    p = parallel.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
+    torch_plan = plan.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0)
+    p = plan.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
     g = p["gib"]
     assert (g["engine_weights"], g["kv_cache"], g["vllm_asleep"], g["vllm_awake"]) == (0, 0, 1.0, 40.0)
     assert g["sync_bucket"] == pytest.approx(min(2**20, 2 * 202_304) / GiB)
@@ -199,10 +207,10 @@ def test_memory_plan_with_the_vllm_engine():
 def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
     cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen32b.py")])
     mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])
-    plans = [parallel.memory_plan(cfg, mc, 128, g, engine="vllm") for g in (80, 141)]
-    text = parallel.format_memory_plan(plans)
+    plans = [plan.memory_plan(cfg, mc, 128, g, engine="vllm") for g in (80, 141)]
+    text = plan.format_memory_plan(plans)
     assert "80 GiB" in text and "141 GiB" in text and "world 128 = dp 16 x sp 8 x tp 1" in text
-    for _, label in parallel.MEMORY_TERMS.values():
+    for _, label in plan.MEMORY_TERMS.values():
         assert label in text
     for p in plans:
         assert p["verdict"] in text

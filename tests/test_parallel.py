@@ -54,6 +54,9 @@ def test_sharded_training_matches_single_process(model_dir, tmp_path, mode, npro
     assert max_diff(dict(ref.named_parameters()), got["params"]) < 1e-4
     if mode == "tp":  # every TP rank sees all documents: the same loss as one process
         assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    # dp replicas: fsdp 2 (ranks 0, 1), tp 1, fsdp_tp 2 (each of 2 TP ranks): 1 + 2 and 0.5 + 0.5 once per replica
+    assert got["dp_sum"] == {"fsdp": {"a": 3.0, "b": 1.0}, "tp": {"a": 1.0, "b": 0.5},
+                             "fsdp_tp": {"a": 3.0, "b": 1.0}}[mode]
 
 
 @pytest.mark.parametrize("mode", ["update", "update_sp"])
@@ -96,13 +99,58 @@ def test_device_selection_with_a_fake_npu(monkeypatch):
     assert parallel.device_type("auto") == "npu" and parallel.BACKENDS["npu"] == "hccl"
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
     assert parallel.device_type("auto") == "cpu" and parallel.get_device("auto") == torch.device("cpu")
+
+
+def test_an_explicit_device_must_exist_here(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda' but torch sees no CUDA device.*use device='auto'"):
+        parallel.device_type("cuda")
+    with pytest.raises(ValueError, match=r"device='cuda' but"):  # before any process group or device is set up
+        parallel.init_distributed("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert parallel.device_type("cuda") == "cuda"
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ImportError
+    with pytest.raises(ValueError, match=r"device='npu' but torch_npu is not installed.*use device='auto'"):
+        parallel.device_type("npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False), raising=False)
+    with pytest.raises(ValueError, match=r"device='npu' but torch_npu sees no NPU"):
+        parallel.device_type("npu")
+    monkeypatch.setattr(torch.npu, "is_available", lambda: True)
+    assert parallel.device_type("npu") == "npu"
+    with pytest.raises(ValueError, match=r"device='tpu'; choose one of auto, cuda, npu, cpu"):
+        parallel.device_type("tpu")
+
+
+def test_process_group_backend():
+    assert parallel.process_group_backend("cpu") == "gloo"
+    assert parallel.process_group_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert parallel.process_group_backend("npu") == "cpu:gloo,npu:hccl"
+
+
+@pytest.mark.parametrize("world,tp,sp,dp", [(1, 1, 1, 1), (8, 2, 1, 4), (8, 2, 2, 2), (16, 1, 8, 2), (4, 4, 1, 1)])
+def test_check_mesh_returns_dp(world, tp, sp, dp):
+    assert parallel.check_mesh(world, tp, sp, num_attention_heads=8, num_key_value_heads=4) == dp
+
+
+@pytest.mark.parametrize("args,message", [
+    ((3, 2, 1), r"sp_size=1 x tp_size=2 = 2 must divide the world size 3"),
+    ((8, 2, 4), r"num_attention_heads=4 must be divisible by tp_size x sp_size = 2 x 4"),
+    ((8, 0, 1), r"tp_size=0 and sp_size=1 must be >= 1"),
+    ((8, 4, 1), r"num_key_value_heads=2 must be divisible by tp_size=4"),
+    ((16, 1, 8), r"num_attention_heads=4 must be divisible by tp_size x sp_size = 1 x 8"),
+])
+def test_check_mesh_names_the_knobs(args, message):
+    with pytest.raises(ValueError, match=message):
+        parallel.check_mesh(*args, num_attention_heads=4, num_key_value_heads=2)
 
 
 def test_tp_size_must_divide_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match="tp_size=2 must divide the world size 3"):
+    with pytest.raises(ValueError, match="sp_size=1 x tp_size=2 = 2 must divide the world size 3"):
         parallel.init_distributed("cpu", tp=2)
+    with pytest.raises(ValueError, match="sp_size=1 x tp_size=2 = 2 must divide the world size 3"):
+        parallel.ParallelDims(world_size=3, rank=0, local_rank=0, tp=2, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])

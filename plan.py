@@ -1,0 +1,196 @@
+"""
+The --dry_run memory planner: per-GPU bytes of a train_dapo run from its Config and the model's shape, for
+either rollout engine (the built-in torch engine or vLLM), before any GPU is touched. memory_plan computes the
+terms, format_memory_plan prints them side by side for several GPU sizes.
+"""
+import math
+
+import parallel
+
+GiB = 2**30
+MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / generation: one at a time
+    "params": ("resident", "fp32 params (FSDP/TP shard)"),
+    "grads": ("resident", "fp32 grads (shard)"),
+    "optimizer": ("resident", "AdamW exp_avg + exp_avg_sq (shard)"),
+    "ref_params": ("resident", "reference model fp32 params (shard)"),
+    "engine_weights": ("resident", "rollout engine's full weight copy"),
+    "runtime": ("resident", "CUDA context, NCCL, allocator slack"),
+    "working": ("training", "unsharded compute-dtype weights"),
+    "activations": ("training", "activations of one micro-batch"),
+    "logprob_buffer": ("training", "fp32 logits of one logprob_chunk"),
+    "kv_cache": ("generation", "KV cache of the built-in engine"),
+    "vllm_asleep": ("resident", "vLLM asleep (graph pool, allocator)"),
+    "vllm_awake": ("generation", "vLLM awake: utilization x GPU"),
+    "sync_bucket": ("generation", "one weight-push bucket"),
+}
+
+
+def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: float = 3.0,
+                engine: str = "torch") -> dict:
+    """Estimate per-GPU memory of a run of train_dapo.train(cfg) on world_size GPUs of gpu_gib GiB each.
+
+    cfg: a train_dapo.Config; model_cfg: a model.ModelConfig (both read by attribute only). Returns
+    {"gib": {term: GiB per GPU}, "phase": {term: resident | training | generation}, "host_gib", "training_gib",
+    "generation_gib", "peak_gib", "verdict": "fits" | "does not fit", "largest", "knob", "notes", ...}.
+    peak = resident + max(training, generation): the KV cache is freed (engine.sleep) before the update starts.
+
+    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, sp = cfg.sp_size,
+    dp = world_size / (tp * sp) replicas, FSDP over fsdp = dp * sp ranks; w = 2 bytes, 4 for float32):
+    - params 4, grads 4, AdamW 8 bytes/param, sharded by FSDP over fsdp and, for the q/k/v/o/gate/up/down weights,
+      by TP; embeddings, lm_head and norms are replicated over TP. param_offload or optimizer_offload moves all
+      three to the host (FSDP2 offloads them together): counted in host_gib instead. World size 1 has no FSDP:
+      full fp32 copies on the GPU, and offload does not apply.
+    - ref_params: a second fp32 shard (same offload) when use_kl_loss or use_kl_in_reward.
+    - engine_weights: world size > 1: the built-in engine generates from its own full copy of the weights
+      (w bytes/param), which train() keeps on the GPU for the whole run. World size 1: it shares the trainer's.
+    - working: FSDP all-gathers units in compute dtype: the root unit (embeddings, lm_head, final norm; kept
+      unsharded through forward and backward) plus one decoder block at a time, x2 for the prefetched next unit
+      and the unsharded gradients. World size 1: autocast's cached compute-dtype copy of every weight, w * P.
+    - activations, for this GPU's tokens of one update micro-batch: the micro-batch's tokens / sp, as sequence
+      parallelism gives each of its sp ranks 1/sp of them (attention's q, k, v: all tokens, 1/sp of the heads: the
+      same bytes). A micro-batch is ppo_max_token_len_per_gpu * sp tokens with use_dynamic_bsz (verl's convention:
+      the budget stays per GPU), else ppo_micro_batch_size_per_gpu * (max_prompt_length + max_response_length).
+      One block saves, per token, in bf16 bytes: 2 RMSNorms x (fp32 input 4h + output 2h) + the q/k/v and
+      gate/up inputs 2h + 2h, flash attention's q, k and v (k, v repeated to all heads) and output 8q, the MLP's
+      gate, up, silu(gate) and product 8i, and with Qwen3's q/k norms 6q + 6kv: 16h + 8q + 8i (+ 6q + 6kv),
+      h = hidden, q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate; the q, kv and i parts are split
+      by TP, the h parts are not (tests/test_configs.py holds this against a measured peak).
+      gradient_checkpointing keeps each block's input (tokens * h * w per layer) plus one block's activations
+      during its recompute, an upper bound; without it every block's activations stay.
+    - logprob_buffer: the chunked fp32 log-prob/entropy: logprob_chunk tokens (or this GPU's tokens, if fewer)
+      * vocab * 4 bytes * ~3 (logits, softmax, their gradient). The no-grad old/ref log-prob pass holds less than
+      an update micro-batch and is not counted.
+    - kv_cache: max(max_num_seqs, n) rows (with CUDA graphs the cache has max_num_seqs rows; a wave holds at least
+      one whole group of n) x (max_prompt_length + max_response_length) positions x layers x 2 (k, v) x kv_heads x
+      head_dim, in the compute dtype (world size 1 too: the engine generates under the trainer's autocast).
+    - runtime: a flat runtime_gib for what the allocator does not see (CUDA context, NCCL buffers, fragmentation).
+    engine="vllm" (rollout.VLLMEngine) replaces engine_weights and kv_cache: vllm_awake = gpu_memory_utilization
+    x gpu_gib (vLLM takes exactly that while awake: its weights / gen_tp, KV cache, activations), vllm_asleep a
+    flat 1 GiB kept through training (its CUDA-graph pool and allocator), sync_bucket = one bucket of the weight
+    push (weight_sync_bucket_mb, full tensors in compute dtype). Its KV capacity goes to the notes.
+    A mesh that does not divide the world size or the heads raises ValueError (parallel.check_mesh).
+    """
+    m = model_cfg
+    tp, sp = cfg.tp_size, cfg.sp_size
+    dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads)
+    fsdp = dp * sp
+    w = 4 if cfg.dtype == "float32" else 2
+    sharded = world_size > 1
+    P = m.num_params()
+    h, hd, L = m.hidden_size, m.head_dim, m.num_hidden_layers
+    q, kv = m.num_attention_heads * hd, m.num_key_value_heads * hd
+    block_tp = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0) + 3 * h * m.intermediate_size
+    block = block_tp + 2 * h + (2 * hd if m.qk_norm else 0)  # + norms, replicated over TP
+    root = P - L * block  # embeddings, lm_head (untied), final norm
+    per_gpu = (L * block_tp / (fsdp * tp) + (P - L * block_tp) / fsdp) if sharded else P  # params held by one GPU
+    offload = sharded and (cfg.param_offload or cfg.optimizer_offload)
+    use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
+
+    state = {"params": 4 * per_gpu, "grads": 4 * per_gpu, "optimizer": 8 * per_gpu,
+             "ref_params": 4 * per_gpu if use_ref else 0}
+    gib = {k: 0.0 if offload else v / GiB for k, v in state.items()}
+    host_gib = sum(state.values()) / GiB if offload else 0.0
+    gib["engine_weights"] = w * P / GiB if sharded else 0.0
+    gib["runtime"] = runtime_gib
+    gib["working"] = (2 * w * (root + block_tp / tp + (block - block_tp)) if sharded else w * P) / GiB
+    seq = cfg.max_prompt_length + cfg.max_response_length
+    tokens = cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
+    local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
+    split = 8 * q + 8 * m.intermediate_size + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
+    one_block = local * (16 * h + split / tp) * w / 2  # bytes counted for bf16 above; w / 2 scales them
+    acts = local * h * w * L + one_block if cfg.gradient_checkpointing else L * one_block
+    gib["activations"] = acts / GiB
+    gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
+    rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
+    kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
+    gib["kv_cache"] = rows * seq * kv_token / GiB
+    vllm = engine == "vllm"
+    gib["vllm_asleep"] = 1.0 if vllm else 0.0
+    gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0
+    gib["sync_bucket"] = min(cfg.weight_sync_bucket_mb * 2**20, w * P) / GiB if vllm else 0.0
+    if vllm:
+        gib["engine_weights"] = gib["kv_cache"] = 0.0
+
+    phase = {k: MEMORY_TERMS[k][0] for k in gib}
+    total = {p: sum(v for k, v in gib.items() if phase[k] == p) for p in ("resident", "training", "generation")}
+    peak_phase = "training" if total["training"] >= total["generation"] else "generation"
+    peak = total["resident"] + total[peak_phase]
+    fits = peak <= gpu_gib
+    largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
+
+    notes = []
+    if (cfg.param_offload or cfg.optimizer_offload) and not sharded:
+        notes.append("param_offload/optimizer_offload act only under FSDP (world size > 1)")
+    if vllm:
+        gen_tp = cfg.gen_tp
+        kv_gib = cfg.gpu_memory_utilization * gpu_gib * gen_tp - 2 * P / GiB - gen_tp  # ~1 GiB activations per GPU
+        seqs = kv_gib * GiB / (kv_token * seq)
+        notes.append(f"vLLM engine of TP {gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x {gen_tp} GPUs "
+                     f"- weights {2 * P / GiB:.1f} GiB leaves ~{kv_gib:.0f} GiB of KV cache = {seqs:.0f} sequences "
+                     f"of max length ({seq} tokens) in flight" + ("" if seqs >= cfg.n else
+                                                                 f": fewer than n={cfg.n}, raise "
+                                                                 "gpu_memory_utilization or gen_tp"))
+    else:
+        room = ", ".join(f"TP {t}: {0.8 * gpu_gib * t - 2 * P / GiB:.0f}" for t in (1, 2, 4, 8))
+        notes.append(f"with the vLLM engine (rollout_engine='vllm'), GiB left for KV per engine at "
+                     f"gpu_memory_utilization 0.8 of {gpu_gib:g} GiB: {room}")
+    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "gpu_gib": gpu_gib, "num_params": P,
+            "engine": engine, "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib,
+            "resident_gib": total["resident"], "training_gib": total["training"],
+            "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,
+            "verdict": "fits" if fits else "does not fit", "largest": largest,
+            "knob": None if fits else _memory_knob(largest, cfg, sharded), "notes": notes}
+
+
+def _memory_knob(term: str, cfg, sharded: bool) -> str:
+    """What to turn when `term` is the largest part of a peak that does not fit."""
+    if term in ("params", "grads", "optimizer", "ref_params"):
+        if not sharded:
+            return "more GPUs (FSDP shards params, grads and AdamW states over dp; offload needs world size > 1)"
+        return "param_offload=True + optimizer_offload=True (states to the host), or more GPUs (smaller shards)"
+    if term == "working":
+        return "tp_size (splits the unsharded block weights), or more GPUs" if sharded else "more GPUs (FSDP)"
+    if term == "engine_weights":
+        return ("rollout_engine='vllm' with gen_tp > 1 (each engine splits the weights over gen_tp GPUs; the "
+                "built-in engine holds a full copy on every GPU)")
+    if term == "activations":
+        if not cfg.gradient_checkpointing:
+            return "gradient_checkpointing=True"
+        budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
+        return f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)"
+    if term == "logprob_buffer":
+        return "logprob_chunk"
+    if cfg.max_num_seqs > cfg.n:  # kv_cache
+        return f"max_num_seqs (now {cfg.max_num_seqs}; a multiple of n={cfg.n})"
+    return (f"max_response_length (max_num_seqs is at its floor, one group of n={cfg.n} rows), or "
+            "rollout_engine='vllm' (its paged KV cache grows with the sequences, within gpu_memory_utilization)")
+
+
+def format_memory_plan(plans: list[dict]) -> str:
+    """A text table of plans from memory_plan, one column each (e.g. the same config at gpu_gib 80 and 141):
+    every term, the phase totals, the peak, the verdict, and the knob to turn where a plan does not fit."""
+    p0 = plans[0]
+    head = [f"{p['gpu_gib']:g} GiB" for p in plans]
+    width = max(14, *(len(x) + 2 for x in head))
+    cols = lambda vals: "".join(f"{v:>{width}}" for v in vals)  # noqa: E731
+    sp = f" x sp {p0['sp']}" if p0["sp"] > 1 else ""
+    per_gpu = f" ({math.ceil(p0['tokens_per_micro_batch'] / p0['sp'])} per GPU)" if p0["sp"] > 1 else ""
+    out = [f"memory per GPU (GiB): {p0['num_params'] / 1e9:.2f}B params, world {p0['world_size']} = "
+           f"dp {p0['dp']}{sp} x tp {p0['tp']}, {p0['tokens_per_micro_batch']} tokens per update micro-batch"
+           f"{per_gpu}, KV cache {p0['kv_rows']} rows",
+           f"  {'':11}{'':38}" + cols(head)]
+    for phase in ("resident", "training", "generation"):
+        for i, (term, (ph, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items() if v[0] == phase):
+            out.append(f"  {phase if i == 0 else '':11}{label:38}" + cols(f"{p['gib'][term]:.2f}" for p in plans))
+    for key, label in (("host_gib", "host (offloaded states), per GPU"), ("resident_gib", "resident"),
+                       ("training_gib", "training phase"), ("generation_gib", "generation phase"),
+                       ("peak_gib", "peak = resident + max(phases)")):
+        out.append(f"  {'':11}{label:38}" + cols(f"{p[key]:.2f}" for p in plans))
+    out.append(f"  {'':11}{'verdict':38}" + cols(p["verdict"] for p in plans))
+    for p in plans:
+        if p["knob"]:
+            out.append(f"  {p['gpu_gib']:g} GiB: does not fit by {p['peak_gib'] - p['gpu_gib']:.1f} GiB; largest "
+                       f"term: {MEMORY_TERMS[p['largest']][1]} ({p['gib'][p['largest']]:.1f} GiB); turn: {p['knob']}")
+    notes = list(dict.fromkeys(n for p in plans for n in p["notes"]))
+    out += [f"  note: {n}" for n in notes]
+    return "\n".join(out)
