@@ -31,6 +31,7 @@ class DataError(ValueError):
 
 
 def required_columns(prompt_key):
+    """The columns every file needs, with the prompt column named by prompt_key."""
     return [prompt_key if c == "prompt" else c for c in REQUIRED_COLUMNS]
 
 # -----------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def check_parquet_schema(files, prompt_key="prompt"):
 
 
 def prompt_messages(value, where, prompt_key):
-    # verl's prompts are chat messages; a plain string is one user turn
+    """A row's prompt as chat messages: verl's list of {role, content}, or a plain string as one user turn."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     ok = isinstance(value, list) and len(value) > 0 and all(

@@ -130,7 +130,7 @@ def read_gsm8k(files, split):
     return rows
 
 
-def inspect_files(files, tokenizer=None, max_prompt_length=None, prompt_key="prompt"):
+def inspect_files(files, tokenizer=None, max_prompt_length=None, prompt_key="prompt", chat_template_kwargs=None):
     """Schema, rows per file, data_source counts and the first row; with a tokenizer, templated
     prompt length percentiles (numpy's linear interpolation) and the count over max_prompt_length."""
     check_parquet_schema(files, prompt_key)
@@ -147,8 +147,8 @@ def inspect_files(files, tokenizer=None, max_prompt_length=None, prompt_key="pro
             out["data_sources"][row["data_source"]] += 1
             if tokenizer is not None:
                 msgs = prompt_messages(row[prompt_key], f"{f} row {r}", prompt_key)
-                lengths.append(len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                                 tokenize=True)))
+                lengths.append(len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                                 **(chat_template_kwargs or {}))))
     out["data_sources"] = dict(out["data_sources"].most_common())
     if lengths:
         q = np.percentile(lengths, [0, 50, 90, 99, 100])
@@ -178,6 +178,8 @@ def main(argv=None):
     p.add_argument("--tokenizer", help="model folder; adds templated prompt length percentiles")
     p.add_argument("--max_prompt_length", type=int, help="count prompts longer than this")
     p.add_argument("--prompt_key", default="prompt")
+    p.add_argument("--chat_template_kwargs", type=json.loads, default=None,
+                   help='JSON, as the trainer\'s knob, e.g. \'{"enable_thinking": false}\' for Qwen3')
     args = parser.parse_args(argv)
 
     if args.cmd == "jsonl2parquet":
@@ -206,7 +208,7 @@ def main(argv=None):
         if args.max_prompt_length is not None and not args.tokenizer:
             parser.error("--max_prompt_length needs --tokenizer MODEL_DIR to count tokens")
         tok = Tokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-        info = inspect_files(args.files, tok, args.max_prompt_length, args.prompt_key)
+        info = inspect_files(args.files, tok, args.max_prompt_length, args.prompt_key, args.chat_template_kwargs)
         for f, d in info["files"].items():
             print(f"{f}: {d['rows']} rows\n{d['schema']}\n")
         print(f"rows: {info['rows']}\ndata_source: {info['data_sources']}\nexample row:")

@@ -677,6 +677,8 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert tok.decode(item["prompt_ids"], skip_special_tokens=False) == plain
     (item,) = load_prompts([path], tok, max_prompt_length=100, chat_template_kwargs={"enable_thinking": False})
     assert tok.decode(item["prompt_ids"], skip_special_tokens=False) == plain + "<think>\n\n</think>\n\n"
+    info = prepare_data.inspect_files([path], tok, chat_template_kwargs={"enable_thinking": False})
+    assert info["prompt_lengths"]["max"] == len(item["prompt_ids"])
     # one id per special, one per byte: <|im_start|> "user\n" "hi" <|im_end|> "\n" <|im_start|> "assistant\n" + 19
     assert len(item["prompt_ids"]) == 1 + 5 + 2 + 1 + 1 + 1 + 10 + 19
 
