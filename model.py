@@ -622,45 +622,60 @@ def _open_safetensors(f: str):
                          "again from the model's source") from None
 
 
+def check_weights(path: str) -> ModelConfig:
+    """Every tensor of the checkpoint at path, from the safetensors headers only (no weights are read): names and
+    shapes are those config.json implies, none is missing, no file is truncated. -> its ModelConfig.
+    Raises ValueError / FileNotFoundError naming the file and tensor."""
+    cfg = load_config(path)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(cfg).named_parameters()}
+    found = set()
+    for f in safetensors_files(path):
+        with _open_safetensors(f) as sf:
+            for name in sf.keys():
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                if name not in expected:
+                    raise ValueError(f"unexpected tensor {name!r} in {f}: not part of a {cfg.architecture} "
+                                     "with this config.json (wrong architecture or config?)")
+                shape = tuple(sf.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise ValueError(f"shape mismatch for {name!r} in {f}: the checkpoint has {shape}, "
+                                     f"config.json implies {expected[name]}; config.json does not describe these "
+                                     "weights (copy the model's own config.json)")
+                found.add(name)
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors that its config.json implies, e.g. "
+                         f"{missing[:3]}; a shard is missing or config.json does not describe these weights "
+                         "(num_hidden_layers, tie_word_embeddings)")
+    return cfg
+
+
 def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=None) -> Transformer:
     """Load an HF checkpoint straight into the module: built on the meta device, optionally sharded by
     `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by
     tensor. Each rank keeps only its shard, so a 32B model never exists twice in memory."""
     from torch.distributed.tensor import DTensor, distribute_tensor
-    cfg = load_config(path)
-    files = safetensors_files(path)
+    cfg = check_weights(path)  # names and shapes, before any memory is spent
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
-    loaded = set()
-    for f in files:
+    for f in safetensors_files(path):
         with _open_safetensors(f) as sf:
             for name in sf.keys():
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                if name not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {f}: not part of a {cfg.architecture} "
-                                     "with this config.json (wrong architecture or config?)")
                 t, p = sf.get_tensor(name), params[name]
-                if t.shape != p.shape:
-                    raise ValueError(f"shape mismatch for {name!r} in {f}: the checkpoint has {tuple(t.shape)}, "
-                                     f"config.json implies {tuple(p.shape)}; config.json does not describe these "
-                                     "weights (copy the model's own config.json)")
                 with torch.no_grad():
                     if isinstance(p, DTensor):  # every rank read the full tensor; keep this rank's shard
                         t = distribute_tensor(t.to(device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
                         p.to_local().copy_(t.to_local())
                     else:
                         p.copy_(t)
-                loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors that its config.json implies, e.g. "
-                         f"{missing[:3]}; a shard is missing or config.json does not describe these weights "
-                         "(num_hidden_layers, tie_word_embeddings)")
     return model
 
 

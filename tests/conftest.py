@@ -6,6 +6,7 @@ import pytest
 
 import data
 import model as M
+import prepare_data
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -36,6 +37,6 @@ def tiny_dir(tmp_path_factory):
     """{root}/model (random tiny Qwen2 + tokenizer), {root}/train.parquet, {root}/val.parquet"""
     root = tmp_path_factory.mktemp("tiny")
     make_model_dir(root / "model")
-    data.write_parquet(data.make_arith_rows(64, "train", seed=0), str(root / "train.parquet"))
-    data.write_parquet(data.make_arith_rows(16, "val", seed=0), str(root / "val.parquet"))
+    data.write_parquet(prepare_data.make_arith_rows(64, "train", seed=0), str(root / "train.parquet"))
+    data.write_parquet(prepare_data.make_arith_rows(16, "val", seed=0), str(root / "val.parquet"))
     return root
