@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import data
+import prepare_data
 import train_dapo as T
 from conftest import make_model_dir
 
@@ -36,7 +37,7 @@ def write_rows(path, rows):
 
 
 def arith(n=8):
-    return data.make_arith_rows(n, "train", seed=0)
+    return prepare_data.make_arith_rows(n, "train", seed=0)
 
 
 def reward_file(tmp_path, body):

@@ -55,7 +55,7 @@ def test_config_errors_name_the_key(args, msg):
     (dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=100), "ppo_max_token_len_per_gpu=100 must be >="),
     (dict(logger=["console", "neptune"]), "logger 'neptune'"),
     (dict(n=0), "n=0 must be > 0"),
-    (dict(sp_size=2), "tp_size=1 x sp_size=2 must divide the world size 1"),
+    (dict(sp_size=2), "sp_size=2 x tp_size=1 = 2 must divide the world size 1"),
     (dict(compile=True), "compile=True is for sharded runs"),
 ])
 def test_cross_field_validation(over, msg):
@@ -71,8 +71,10 @@ def test_world_size_must_split_mini_batch():
 def test_file_checks(tiny_dir, tmp_path):
     base = dict(model_path=str(tiny_dir / "model"), train_files=[str(tiny_dir / "train.parquet")],
                 val_files=[str(tiny_dir / "val.parquet")], gen_batch_size=8, train_batch_size=8,
-                ppo_mini_batch_size=8)
+                ppo_mini_batch_size=8, max_prompt_length=256, max_response_length=256, overlong_buffer_len=64)
     T.validate(T.Config(**base))
+    with pytest.raises(T.ConfigError, match="= 513 exceeds the model's context, max_position_embeddings=512"):
+        T.validate(T.Config(**{**base, "max_response_length": 257}))
     with pytest.raises(T.ConfigError, match="no config.json"):
         T.validate(T.Config(**{**base, "model_path": str(tmp_path)}))
     import data
@@ -90,7 +92,7 @@ def test_dry_run_prints_batch_arithmetic(tiny_dir, capsys, monkeypatch):
     rc = T.main([f"--model_path={tiny_dir / 'model'}", f"--train_files={tiny_dir / 'train.parquet'}",
                  f"--val_files={tiny_dir / 'val.parquet'}", "--train_batch_size=16", "--gen_batch_size=24",
                  "--n=4", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_gpu=2", "--ppo_epochs=2",
-                 "--n_gpus_per_node=2", "--dry_run"])
+                 "--n_gpus_per_node=2", "--max_prompt_length=128", "--max_response_length=256", "--dry_run"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "trajectories_per_step: 64" in out  # 16 prompts x 4
@@ -128,12 +130,13 @@ def test_dynamic_sampling_refills_across_rounds_and_trims_to_whole_groups():
               [[0, 1], [1, 0]]]  # 2 more -> 3, done
     calls = []
 
-    def gen(r):
-        calls.append(r)
-        return fake_round(rounds[r - 1], 2, offset=10 * r)
+    def gen():
+        for r in range(1, 10):
+            calls.append(r)
+            yield fake_round(rounds[r - 1], 2, offset=10 * r)
 
-    batch, everything, n_rounds = T.dynamic_sampling(gen, cfg)
-    assert n_rounds == 3 and calls == [1, 2, 3]
+    batch, everything, n_rounds = T.dynamic_sampling(gen(), cfg)
+    assert n_rounds == 3 and calls == [1, 2, 3]  # no round generated beyond the one that completes the batch
     assert len(everything) == 12 and len(batch) == 6
     assert batch.group_ids.tolist() == [10, 10, 30, 30, 31, 31]
     assert batch.acc.tolist() == [1, 0, 0, 1, 1, 0]
@@ -141,7 +144,7 @@ def test_dynamic_sampling_refills_across_rounds_and_trims_to_whole_groups():
 
 def test_dynamic_sampling_keeps_exactly_train_batch_size_groups():
     cfg = T.Config(train_batch_size=1, gen_batch_size=3, n=2, max_response_length=4)
-    batch, _, n_rounds = T.dynamic_sampling(lambda r: fake_round([[1, 0], [0, 1], [1, 0]], 2, 0), cfg)
+    batch, _, n_rounds = T.dynamic_sampling(iter([fake_round([[1, 0], [0, 1], [1, 0]], 2, 0)]), cfg)
     assert n_rounds == 1 and batch.group_ids.tolist() == [0, 0]
 
 
@@ -149,12 +152,27 @@ def test_dynamic_sampling_error_names_numbers_and_knobs():
     cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, max_num_gen_batches=3)
     with pytest.raises(T.RunError, match="after 3 generation rounds of 2 prompts only 1 of "
                                            "train_batch_size=2.*max_num_gen_batches"):
-        T.dynamic_sampling(lambda r: fake_round([[1, 0], [1, 1]] if r == 1 else [[0, 0], [1, 1]], 2, 10 * r), cfg)
+        T.dynamic_sampling((fake_round([[1, 0], [1, 1]] if r == 1 else [[0, 0], [1, 1]], 2, 10 * r)
+                            for r in range(1, 5)), cfg)
+
+
+def test_dynamic_sampling_stops_between_rounds_when_asked():
+    cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, max_num_gen_batches=0)
+    made = []
+
+    def rounds():  # never enough varying groups: without the stop request this would refill forever
+        for r in range(1, 100):
+            made.append(r)
+            yield fake_round([[0, 0], [1, 1]], 2, 10 * r)
+
+    with pytest.raises(T.StopRequested):
+        T.dynamic_sampling(rounds(), cfg, should_stop=lambda: len(made) >= 3)
+    assert made == [1, 2, 3]
 
 
 def test_no_filter_takes_the_first_round():
     cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, filter_groups=False)
-    batch, _, n_rounds = T.dynamic_sampling(lambda r: fake_round([[1, 1], [0, 0]], 2, 0), cfg)
+    batch, _, n_rounds = T.dynamic_sampling(iter([fake_round([[1, 1], [0, 0]], 2, 0)]), cfg)
     assert n_rounds == 1 and len(batch) == 4
 
 
@@ -184,7 +202,8 @@ def grads_after_update(cfg, traj):
     m = M.Transformer(cfg_m).init_weights(seed=0).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     sched = T.make_scheduler(opt, cfg, 1)
-    T.update_policy(m, opt, sched, traj, cfg, contextlib.nullcontext(), parallel.init_distributed("cpu"))
+    T.update_policy(m, opt, sched, traj, cfg, contextlib.nullcontext(), parallel.init_distributed("cpu"),
+                    on_policy=False)
     return torch.cat([p.grad.flatten() for p in m.parameters()])
 
 
@@ -201,15 +220,35 @@ def test_micro_batch_split_does_not_change_gradients(mode):
     assert torch.allclose(budget, whole, atol=1e-5, rtol=1e-4)
 
 
-def test_entropy_term_is_linear_in_its_coefficient_and_absent_at_zero():
-    """entropy_coeff 0 leaves the entropy out of the loss (no backward through it): the gradient at 0 is where
-    the gradients at 0.5 and 1.0 extrapolate to."""
+def test_entropy_term_is_linear_in_its_coefficient():
+    """The gradient at coefficient 0 is where the gradients at 0.5 and 1.0 extrapolate to."""
     traj = random_batch()
     base = dict(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                 temperature=1.0, ppo_micro_batch_size_per_gpu=6)
     g0, g1, g2 = (grads_after_update(T.Config(**base, entropy_coeff=c), traj) for c in (0.0, 0.5, 1.0))
     assert not torch.allclose(g1, g0)  # the term is there when the coefficient is not 0
     torch.testing.assert_close(g0, 2 * g1 - g2, rtol=1e-5, atol=1e-7)  # the log-prob head computes in fp32
+
+
+def test_entropy_coefficient_zero_keeps_the_entropy_out_of_the_backward(monkeypatch):
+    """With entropy_coeff=0 (DAPO) no gradient flows into the entropy (its fp32 backward over the vocabulary is
+    skipped); with a coefficient it does."""
+    reached = []
+    real = T.sequence_logprobs
+
+    def spy(*args, **kwargs):
+        logp, ent = real(*args, **kwargs)
+        if ent is not None and ent.requires_grad:
+            ent.register_hook(lambda g: reached.append(True))
+        return logp, ent
+
+    monkeypatch.setattr(T, "sequence_logprobs", spy)
+    base = dict(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, temperature=1.0,
+                ppo_micro_batch_size_per_gpu=6)
+    grads_after_update(T.Config(**base, entropy_coeff=0.0), random_batch())
+    assert reached == []
+    grads_after_update(T.Config(**base, entropy_coeff=0.5), random_batch())
+    assert reached
 
 
 # -----------------------------------------------------------------------------
