@@ -23,11 +23,14 @@ top_p=1, top_k=-1 make all three equal).
 """
 import importlib.util
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from model import AttnBatch, pack_sequences
+import parallel
+from model import AttnBatch, load_config, pack_sequences
 
 
 @dataclass
@@ -85,15 +88,15 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generato
 class TorchEngine:
     """Batched generation over a model.Transformer it shares with the trainer (no weight copy).
 
-    Memory: a KV cache of max_num_seqs x (longest prompt + max_tokens) tokens x layers x 2 x kv_heads x
-    head_dim in the model's dtype (Qwen2.5-1.5B: 28 KiB per token in bf16), allocated per generate call
-    and freed by sleep(). Under FSDP the trainer hands this engine a full (gathered) copy of the weights:
-    that costs one more model in memory while generating.
+    Memory: a KV cache of at most max_num_seqs x (longest prompt + max_tokens) tokens x layers x 2 x kv_heads
+    x head_dim in the model's dtype (Qwen2.5-1.5B: 28 KiB per token in bf16), allocated by the first generate
+    that needs it, reused while it is large enough, freed by sleep(). A sharded trainer (FSDP / TP) gives this
+    engine its own full bf16 copy of the model (shares_weights=False), filled by load_weights before every
+    rollout: one more model in memory for the whole run.
 
-    Decode speed (CUDA): the step is replayed from CUDA graphs captured per (batch-size bucket, cache span):
-    attention reads only the first `span` cache positions, the live length rounded up (see _span). A step is
-    ~50 small kernels per layer, so kernel count, not bandwidth, bounds it (BENCHMARKS.md); torch.compile of
-    the step would fuse them, but compiling the Qwen2.5-1.5B step did not finish within 165 s on an H200.
+    Decode on CUDA: the step is many small kernels, so it is replayed from CUDA graphs captured per (batch-size
+    bucket, cache span); attention reads only the first `span` cache positions, the live length rounded up
+    (see _span).
     """
 
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
@@ -318,25 +321,31 @@ def engine_results(per_rank: list, gen_tp: int) -> list:
 def _ensure_process_group():
     """vLLM's external_launcher joins the process group of torchrun's ranks and reads RANK and LOCAL_RANK from
     the environment. Under torchrun both exist. A single process started without torchrun gets a group of one
-    on 127.0.0.1 through env://, with the variables torchrun would have set (vLLM's own set-up looked up an
-    address the H200 machine could not reach, and a tcp:// group under torchrun waits on the agent's store)."""
-    import socket
-
-    import torch.distributed as dist
-
-    from parallel import BACKENDS
-    acc = torch.accelerator.current_accelerator()
+    on 127.0.0.1, with the variables torchrun would have set; env:// in both cases, as it joins torchrun's
+    store where there is one."""
+    kind = parallel.device_type()
     if not dist.is_initialized():
         if not ("MASTER_ADDR" in os.environ and "RANK" in os.environ):  # not under torchrun: a group of one
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        backend = "gloo" if acc is None else f"cpu:gloo,{acc.type}:{BACKENDS[acc.type]}"  # cpu: the launch tests
-        dist.init_process_group(backend=backend)
+        backends = parallel.BACKENDS  # the CPU's beside the accelerator's: object gathers move CPU tensors
+        dist.init_process_group(backend=backends["cpu"] if kind == "cpu" else
+                                f"cpu:{backends['cpu']},{kind}:{backends[kind]}")
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-    os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if acc is not None else 0))
+    os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if kind != "cpu" else 0))
+
+
+def check_max_model_len(max_model_len: int, model_path: str):
+    """vLLM refuses a max_model_len above the model's max_position_embeddings (positions past it were never
+    trained): say so in the trainer's terms, before the engine starts."""
+    limit = load_config(model_path).max_position_embeddings
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} (max_prompt_length + max_response_length) is above "
+                         f"max_position_embeddings={limit} in {os.path.join(model_path, 'config.json')}: lower "
+                         f"max_prompt_length or max_response_length so that their sum is at most {limit}")
 
 
 def free_device_memory() -> int:
@@ -350,7 +359,8 @@ def free_device_memory() -> int:
 class VLLMEngine:
     """vllm.LLM in this process, one per TP group of gen_tp ranks (distributed_executor_backend=
     "external_launcher" reuses torchrun's process group). Built before the trainer allocates its memory,
-    with random ("dummy") weights: the trainer pushes its own before the first generate.
+    with random ("dummy") weights: the trainer pushes its own before the first generate. max_model_len (the
+    longest prompt + response) may not exceed the model's max_position_embeddings.
 
     Memory cycle per rollout (sleep level 2 drops weights and KV cache, so every wake needs a full push):
         wake_up(["weights"]) -> load_weights(buckets) -> wake_up(["kv_cache"]) -> generate -> sleep()
@@ -361,19 +371,20 @@ class VLLMEngine:
                  max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False,
                  enable_chunked_prefill: bool = True, max_num_batched_tokens: int | None = None, seed: int = 0,
                  dtype: str = "bfloat16", engine_kwargs: dict | None = None):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
-        from vllm import LLM
         kw = dict(model=model_path, tensor_parallel_size=gen_tp, enable_sleep_mode=True,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                   enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len,
                   max_num_seqs=max_num_seqs, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
                   seed=seed,  # the same on every rank of a TP group: their schedulers must sample alike
-                  logprobs_mode="processed_logprobs")  # log p after temperature (and top-k/top-p), as trained
+                  logprobs_mode="processed_logprobs",  # log p after temperature (and top-k/top-p), as trained
+                  distributed_executor_backend="external_launcher")  # vLLM joins the trainer's process group
         if max_num_batched_tokens:
             kw["max_num_batched_tokens"] = max_num_batched_tokens
-        _ensure_process_group()
-        kw["distributed_executor_backend"] = "external_launcher"  # vLLM joins the trainer's process group
         kw.update(engine_kwargs or {})
+        check_max_model_len(kw["max_model_len"], model_path)  # before vLLM spends a minute starting
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
+        from vllm import LLM
+        _ensure_process_group()
         self.llm = LLM(**kw)
         self.weights_version = None  # dummy weights
         self.awake = {"weights", "kv_cache"}
@@ -414,11 +425,9 @@ class VLLMEngine:
     def requests(self, prompts: list[list[int]], params: SamplingParams):
         """vLLM's (prompts, sampling params) for a generate call: one request per sample."""
         from vllm import SamplingParams as VLLMSamplingParams
-        # n samples = n requests, each with its own seed: the same on every rank of the TP group, and the
-        # output order is ours (vLLM's prefix cache shares the prompt's KV between them). Seeded requests need no
-        # per-request kernels (in vLLM 0.26 one Gumbel kernel reads every request's seed). flat_logprobs: the sampled
-        # log-probs come back as flat lists, not a dict and a Logprob object per token (Python work per token
-        # and garbage for the collector).
+        # n samples = n requests, each with its own seed (seed + its index): the same on every rank of the TP
+        # group, and the output order is ours (vLLM's prefix cache shares the prompt's KV between them).
+        # flat_logprobs: the sampled log-probs come back as flat lists, not a dict and a Logprob object per token.
         requests, sampling = [], []
         for i, p in enumerate(prompts):
             for j in range(params.n):

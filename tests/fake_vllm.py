@@ -1,8 +1,9 @@
 """A stand-in for the few pieces of vllm that rollout.VLLMEngine touches, backed by model.py on the CPU.
 
-It behaves like the real engine where the trainer depends on it: "dummy" random weights at start, sleep(2)
-destroys the weights, load_weights takes HF-named full tensors, each request is sampled with its own seed,
-and the sampled token's log-prob comes back per position. It records every call, so the CPU tests can check
+It behaves like the real engine where the trainer depends on it: a max_model_len above the model's
+max_position_embeddings is refused, "dummy" random weights at start, sleep(2) destroys the weights,
+load_weights takes HF-named full tensors, each request is sampled with its own seed, and the sampled token's
+log-prob comes back per position. It records every call, so the CPU tests can check
 the engine's bookkeeping and the trainer's choreography (wake, push, generate, sleep) without a GPU."""
 import importlib.machinery
 import os
@@ -29,7 +30,14 @@ class LLM:
         self.kwargs, self.calls, self.awake = kwargs, [], {"weights", "kv_cache"}
         if kwargs.get("distributed_executor_backend") == "external_launcher":  # as vLLM's executor reads them
             self.rank, self.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-        self.model = M.Transformer(M.load_config(kwargs["model"])).init_weights(seed=12345).eval()  # "dummy"
+        config = M.load_config(kwargs["model"])
+        limit, max_model_len = config.max_position_embeddings, kwargs.get("max_model_len")
+        if max_model_len is not None and max_model_len > limit:  # vLLM's ModelConfig check, in its words
+            raise ValueError(f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+                             f"max_model_len (max_position_embeddings={limit} or model_max_length=None in model's "
+                             "config.json). To allow overriding this maximum, set the env var "
+                             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.")
+        self.model = M.Transformer(config).init_weights(seed=12345).eval()  # "dummy"
         LLM.instances.append(self)
 
     def sleep(self, level):

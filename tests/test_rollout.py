@@ -122,7 +122,7 @@ def test_sampling_distribution(temperature, top_k, top_p, expected):
 
 def test_fp32_model_generates_under_bf16_autocast_with_a_bf16_cache():
     """One GPU trains an fp32 master model under autocast and the built-in engine shares it: k/v come out in bf16,
-    so the cache must be bf16 (an fp32 cache made the decode step's index_put fail on the H200)."""
+    so the cache must be bf16 (the decode step's index_put into an fp32 cache fails)."""
     m = tiny_model(4)
     params = R.SamplingParams(n=2, temperature=0, max_tokens=6)
     eng = R.TorchEngine(m)

@@ -1,20 +1,28 @@
 """The vLLM engine's bookkeeping on the CPU, through tests/fake_vllm.py (a stand-in backed by model.py):
 prompt sharding over engines and the gather order, weight versions and stale-weight errors, the memory
-cycle, request construction, and the trainer's wake -> push -> generate -> sleep choreography. What needs
-real vLLM (log-prob agreement in bf16, sleep/wake on a GPU) is in tests/test_vllm_gpu.py and tests/vllm_check.py."""
+cycle, request construction, the model's length limit, the trainer's wake -> push -> generate -> sleep
+choreography, and tests/vllm_check.py end to end. What needs real vLLM (log-prob agreement in bf16, sleep/wake
+on a GPU) is in tests/test_vllm_gpu.py, which runs tests/vllm_check.py on GPUs."""
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import fake_vllm
 import model as M
 import parallel
 import rollout as R
 import train_dapo as T
-import fake_vllm
+import vllm_check
+from conftest import make_model_dir
 from fake_vllm import install
+from test_train import run_cfg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("num,world,gen_tp", [(10, 4, 2), (10, 4, 1), (3, 8, 2), (7, 2, 2), (0, 2, 1)])
@@ -71,7 +79,6 @@ def test_builtin_engine_versions_and_stale_error():
 
 
 def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
-    from conftest import make_model_dir
     install(monkeypatch)
     path = make_model_dir(tmp_path / "m", seed=3)
     eng = R.VLLMEngine(str(path), max_model_len=128, max_num_seqs=16, seed=7, engine_kwargs={"max_num_seqs": 8})
@@ -121,7 +128,6 @@ def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
 
 
 def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
-    from conftest import make_model_dir
     free = iter([1 * 2**30, 9 * 2**30, 2 * 2**30])  # before sleep, after sleep (8 GiB released), at wake
     install(monkeypatch, free_bytes=lambda: next(free))
     eng = R.VLLMEngine(str(make_model_dir(tmp_path / "m")), max_model_len=64)
@@ -132,7 +138,6 @@ def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
 
 def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(monkeypatch, tiny_dir, tmp_path,
                                                                               capsys):
-    from test_train import run_cfg
     install(monkeypatch)
     T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=2, rollout_engine="vllm", save_freq=-1,
                     test_freq=1, tis_imp_ratio_cap=2.0))
@@ -159,11 +164,10 @@ def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(mo
 def test_an_engine_with_other_weights_triggers_the_mismatch_warning(monkeypatch, tiny_dir, tmp_path, capsys):
     """Stale weights (here: every pushed tensor scaled by 1.6 inside the engine) make the engine's log-probs
     disagree with the trainer's by far more than bf16 noise: rollout/logp_mismatch is logged and warned about."""
-    from test_train import run_cfg
     install(monkeypatch)
     load = fake_vllm.LLM._load
     monkeypatch.setattr(fake_vllm.LLM, "_load", lambda self, weights: load(self, ((n, t * 1.6) for n, t in weights)))
-    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=1, rollout_engine="vllm", save_freq=-1, test_freq=-1))
+    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=1, rollout_engine="vllm", save_freq=-1, test_freq=0))
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     mismatch = [r["rollout/logp_mismatch"] for r in rows if "train/acc" in r]
     assert mismatch and mismatch[0] > 2 * T.Config().logp_mismatch_warn, mismatch
@@ -171,7 +175,6 @@ def test_an_engine_with_other_weights_triggers_the_mismatch_warning(monkeypatch,
 
 
 def test_missing_vllm_is_a_config_error_before_any_work(tiny_dir, tmp_path, monkeypatch):
-    from test_train import run_cfg
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(T.ConfigError, match="vllm is not installed"):
@@ -196,16 +199,12 @@ def test_vllm_config_checks():
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_a_single_rank_gets_a_process_group_for_vllm_without_hanging(launcher):
-    """vLLM's external_launcher needs a process group and reads RANK and LOCAL_RANK from the environment (a plain
-    `python3 train_dapo.py` run failed with KeyError: 'RANK' on the H200). Under torchrun --nproc-per-node 1 a
-    tcp:// group waited on torchrun's agent store for ever (seen on the H200; it reproduces on the CPU); env://
-    joins that store."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """vLLM's external_launcher needs a process group and reads RANK and LOCAL_RANK from the environment: a plain
+    process gets a group of one and those variables; under torchrun --nproc-per-node 1 the group joins torchrun's
+    store (a tcp:// group waits on that store for ever, and this test then times out)."""
     code = ("import sys; sys.path.insert(0, %r); import rollout, torch.distributed as dist; "
             "rollout._ensure_process_group(); import os; print('world', dist.get_world_size(), "
-            "*[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')])" % root)
+            "*[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')])" % ROOT)
     cmd = [sys.executable, "-c", code]
     if launcher == "torchrun":
         script = os.path.join(os.environ.get("TMPDIR", "/tmp"), "nanodapo_pg_check.py")
@@ -225,3 +224,37 @@ def test_sampled_logprobs_from_flat_logprobs():
     flat = NS(start_indices=[0, 2, 3], end_indices=[2, 3, 5], token_ids=[7, 1, 8, 9, 4],
               logprobs=[-0.5, -0.1, -1.5, -2.0, -0.2])  # position 0 and 2 also carry a top-1 token
     assert R._sampled_logprobs(flat) == [-0.5, -1.5, -2.0]
+
+
+def test_vllm_engine_refuses_a_max_model_len_above_the_models_limit(monkeypatch, tmp_path):
+    """make_model_dir writes max_position_embeddings=512. vLLM refuses a longer max_model_len; the engine refuses
+    it first, naming the trainer's knobs, and engine_kwargs cannot slip past."""
+    install(monkeypatch)
+    path = str(make_model_dir(tmp_path / "m"))
+    with pytest.raises(ValueError, match=r"max_model_len=513 \(max_prompt_length \+ max_response_length\) is above "
+                                         r"max_position_embeddings=512 .*at most 512"):
+        R.VLLMEngine(path, max_model_len=513)
+    with pytest.raises(ValueError, match="max_model_len=600"):
+        R.VLLMEngine(path, max_model_len=128, engine_kwargs={"max_model_len": 600})
+    assert fake_vllm.LLM.instances == []  # vLLM never started
+    assert R.VLLMEngine(path, max_model_len=512).llm.kwargs["max_model_len"] == 512  # the limit itself is fine
+    # the stand-in refuses as vLLM does, so a caller that skips the check fails on the CPU too
+    with pytest.raises(ValueError, match=r"User-specified max_model_len \(513\) is greater than the derived "
+                                         r"max_model_len \(max_position_embeddings=512"):
+        fake_vllm.LLM(model=path, max_model_len=513)
+
+
+def test_vllm_check_passes_on_the_demo_model_against_the_fake(monkeypatch, tmp_path, capsys):
+    """tests/vllm_check.py end to end on the CPU. The demo model's max_position_embeddings is 256, below the
+    script's default prompt length + max_tokens: the script builds its engine within the model's limit."""
+    install(monkeypatch)
+    out = tmp_path / "result.json"
+    ok = vllm_check.main([os.path.join(ROOT, "demo", "model"), "--device", "cpu", "--num_prompts", "4",
+                          "--max_tokens", "12", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert ok, capsys.readouterr().out
+    assert results["figures"]["max_model_len"] == 256
+    assert fake_vllm.LLM.instances[0].kwargs["max_model_len"] == 256
+    assert sorted(k for k in results if k != "figures") == [
+        "changed_weights_change_outputs", "greedy_vs_builtin", "logprobs_vs_trainer", "seed_reproduces_samples",
+        "sleep_wake_push_same", "stale_version_raises"]

@@ -1,18 +1,21 @@
 """
 The vLLM engine against the trainer and the built-in engine, on GPUs (needs CUDA and vllm). Run by
-tests/test_vllm_gpu.py, or directly:
+tests/test_vllm_gpu.py (and on the CPU, against tests/fake_vllm.py, by tests/test_vllm_engine.py), or directly:
 
     torchrun --nproc-per-node 1 tests/vllm_check.py MODEL_DIR [--gen_tp 1] [--out result.json]
     torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 2     # one engine over 2 GPUs
     torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 1     # two engines
 
-Prompts: the chat-templated prompts of a parquet file (default: the demo's validation set). Every rank holds the trainer's model (fp32 master weights, bf16 autocast, as on one GPU) and its share of
-world_size / gen_tp engines; prompts are split over engines as the trainer splits them. Checks, each a
-line "PASS|FAIL name: figures", and a JSON of the figures:
+Prompts: the chat-templated prompts of a parquet file (default: the demo's validation set), cut from the left
+to --max_prompt_length, or to what --max_tokens leaves of the model's max_position_embeddings where that is
+less; the engine's max_model_len is that prompt length + max_tokens (the trainer's: max_prompt_length +
+max_response_length). Every rank holds the trainer's model (fp32 master weights, bf16 autocast, as on one
+GPU) and its share of world_size / gen_tp engines; prompts are split over engines as the trainer splits them.
+Checks, each a line "PASS|FAIL name: figures", and a JSON of the figures:
  1. after a push, the trainer's teacher-forced log-probs of vLLM's samples (T=1) vs vLLM's own:
     mean |difference| < 0.02
- 1b. sampling with the same seed again gives the same samples (>= 90%), another seed other samples (<= 50%
-    equal), and the n samples of a group differ (T=2)
+ 1b. each sample is a request seeded from the call's seed: the same seed again gives the same samples
+    (>= 90%), another seed other samples (<= 50% equal), and the n samples of a group differ (T=2)
  2. greedy: vLLM's first 8 tokens == the built-in engine's (bf16 copy) for most prompts (fraction reported)
  3. sleep(2) -> wake -> push of the same weights: greedy outputs == those before sleep, exactly
  4. push of changed weights: greedy outputs change
@@ -34,28 +37,37 @@ import rollout as R  # noqa: E402
 import train_dapo as T  # noqa: E402
 
 
-def main():
+def main(argv=None) -> bool:
+    """-> whether every check passed."""
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--gen_tp", type=int, default=1)
     ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                    "demo", "data", "val.parquet"))  # prompts, verl schema
     ap.add_argument("--num_prompts", type=int, default=64)
+    ap.add_argument("--max_prompt_length", type=int, default=512)  # at most; less where the model's limit says so
     ap.add_argument("--max_tokens", type=int, default=128)
     ap.add_argument("--enforce_eager", type=int, default=1)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda")  # cpu: a smoke run against tests/fake_vllm.py
-    a = ap.parse_args()
+    ap.add_argument("--device", default="cuda")  # cpu: only against tests/fake_vllm.py
+    a = ap.parse_args(argv)
+    limit = M.load_config(a.model_dir).max_position_embeddings
+    if a.max_tokens >= limit:
+        ap.error(f"--max_tokens {a.max_tokens} leaves no room for a prompt in max_position_embeddings={limit}")
+    max_prompt_length = min(a.max_prompt_length, limit - a.max_tokens)
+    max_model_len = max_prompt_length + a.max_tokens
     dims = parallel.init_distributed(a.device)
     log = print if dims.is_main else (lambda *x, **k: None)
     t0 = time.perf_counter()
-    engine = R.VLLMEngine(a.model_dir, gen_tp=a.gen_tp, gpu_memory_utilization=0.3, max_model_len=1024,
-                          max_num_seqs=256, enforce_eager=bool(a.enforce_eager), seed=0)
-    fig = {"engine_start_s": time.perf_counter() - t0, "world_size": dims.world_size, "gen_tp": a.gen_tp}
+    engine = R.VLLMEngine(a.model_dir, gen_tp=a.gen_tp, gpu_memory_utilization=0.3,
+                          max_model_len=max_model_len, max_num_seqs=256,
+                          enforce_eager=bool(a.enforce_eager), seed=0)
+    fig = {"engine_start_s": time.perf_counter() - t0, "world_size": dims.world_size, "gen_tp": a.gen_tp,
+           "max_model_len": max_model_len}
     model = M.from_pretrained(a.model_dir, dtype=torch.float32, device=dims.device)
     tok = data.Tokenizer.from_pretrained(a.model_dir)
-    prompts = [p["prompt_ids"] for p in data.load_prompts(a.data, tok, max_prompt_length=512, truncation="left",
-                                                           max_samples=a.num_prompts)]
+    prompts = [p["prompt_ids"] for p in data.load_prompts(a.data, tok, max_prompt_length=max_prompt_length,
+                                                           truncation="left", max_samples=a.num_prompts)]
     _, lo, hi = R.engine_share(len(prompts), dims.world_size, a.gen_tp, dims.rank)
     mine = prompts[lo:hi]
     ctx = parallel.autocast(dims.device, torch.bfloat16 if dims.device.type != "cpu" else torch.float32)
@@ -104,10 +116,10 @@ def main():
     check("logprobs_vs_trainer", mad < 0.02, mean_abs_diff=mad, mean_logp=float(
         (rollout_logp * traj.response_mask).sum() / traj.response_mask.sum()))
 
-    # 1b. the call's seed rules sampling (it seeds the RNG vLLM's sampler draws from; no per-request seeds):
-    # the same seed gives the same samples (up to rare bf16 near-ties: the prompts are prefix-cached now),
-    # another seed other samples, and a group's n samples differ from each other
-    # (temperature 2: a trained model's samples at T=1 can be nearly deterministic)
+    # 1b. each sample is a request with its own seed (the call's seed + its index): the same seed gives the same
+    # samples (up to rare bf16 near-ties: the prompts are prefix-cached now), another seed other samples, and a
+    # group's n samples differ from each other (temperature 2: a trained model's samples at T=1 can be nearly
+    # deterministic)
     def sample(seed):
         out = engine.generate(mine, R.SamplingParams(n=4, temperature=2.0, max_tokens=a.max_tokens, seed=seed,
                                                      stop_token_ids=tok.eos_token_ids), version=0)
@@ -164,10 +176,9 @@ def main():
     if dims.is_main and a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
-    ok = all(r["pass"] for k, r in results.items() if k != "figures")
     parallel.shutdown()
-    sys.exit(0 if ok else 1)
+    return all(r["pass"] for k, r in results.items() if k != "figures")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main() else 1)
