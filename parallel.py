@@ -137,7 +137,7 @@ class ParallelDims:
 
     dp: data-parallel replicas, the groups that see different data. The sp x tp ranks of one replica run the same
     micro-batches: TP splits the weights' heads and features, SP the tokens. FSDP shards parameters, gradients and
-    optimizer states over the dp x sp ranks of the same TP index (fsdp_size) and averages gradients over them."""
+    optimizer states over the dp x sp ranks of the same TP index (fsdp_size) and sums gradients over them."""
     world_size: int
     rank: int
     local_rank: int
@@ -225,6 +225,14 @@ def all_reduce_mean(values: dict, dims: ParallelDims) -> dict:
     return {k: v / dims.world_size for k, v in zip(keys, t.tolist())}
 
 
+def all_reduce_max(value: int, dims: ParallelDims) -> int:
+    if dims.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def barrier(dims: ParallelDims):
     if dims.world_size > 1:
         dist.barrier()
@@ -274,6 +282,7 @@ def apply_compile(model):
 def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False):
     """fully_shard each decoder block, then the root (embeddings, final norm, output layer). Parameters stay
     fp32 (the master copy, sharded, as are AdamW's states); compute runs in param_dtype, gradients reduce in fp32.
+    Gradients are summed over the FSDP ranks, not averaged: the trainer's loss carries the one denominator.
 
     Inputs are not cast (cast_forward_inputs=False): a block's hidden states are in param_dtype already (they come
     from the param_dtype embedding), and RoPE's cos/sin stay fp32, as model.py means them to; casting them can give
@@ -283,11 +292,14 @@ def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.
     for block in model.model.layers:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    for module in (*model.model.layers, model):  # plain SUM collectives (gloo has no pre-multiplied sum)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False, compile: bool = False):
-    """Shard `model` for dims: TP, SP, optionally compile each block, then FSDP2 over dims.fsdp_mesh. FSDP
-    averages gradients over dims.fsdp_size ranks: a rank's loss scaled by fsdp_size makes that average a sum."""
+    """Shard `model` for dims: TP, SP, optionally compile each block, then FSDP2 over dims.fsdp_mesh, which sums
+    gradients over dims.fsdp_size ranks."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
     if dims.sp > 1:
@@ -327,14 +339,6 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
         for g in grads:
             g.detach().mul_(max_norm / (total + 1e-6))
     return total
-
-
-def all_reduce_max(value: int, dims: ParallelDims) -> int:
-    if dims.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 # -----------------------------------------------------------------------------

@@ -31,8 +31,8 @@ def batch(seed=0):
 
 
 def train_steps(model, opt, dims, steps=3):
-    """Loss = token-sum of -logp over this dp rank's docs / all tokens; backward of loss * fsdp_size, as FSDP
-    averages gradients over fsdp_size ranks. Returns this rank's losses."""
+    """Loss = token-sum of -logp over this dp rank's docs / all tokens, whose gradients FSDP sums over the ranks.
+    Returns this rank's losses."""
     docs = batch()
     n_tokens_total, rank_docs = sum(len(d) - 1 for d in docs), docs[dims.dp_rank::dims.dp]
     losses = []
@@ -42,7 +42,7 @@ def train_steps(model, opt, dims, steps=3):
         tgt = torch.tensor([t for d in rank_docs for t in d[1:]])[None]
         logp, _ = model(ids, pos, b, target_ids=tgt)
         loss = -logp.sum() / n_tokens_total
-        (loss * dims.fsdp_size).backward()
+        loss.backward()
         parallel.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
         losses.append(loss.item())
@@ -58,7 +58,7 @@ def forward_backward(model, dims):
     tgt = torch.tensor([t for d in docs for t in d[1:]])[None]
     logp, ent = model(ids, pos, b, target_ids=tgt, with_entropy=True, logprob_chunk=8)
     loss = (-logp.sum() - 0.1 * ent.sum()) / tgt.numel()
-    (loss * dims.fsdp_size).backward()
+    loss.backward()
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
@@ -98,7 +98,7 @@ def main(mode, ckpt_dir, out):
                        ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=15)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: a wrong gradient scale would show
         T.update_policy(model, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, contextlib.nullcontext(),
-                        dims)
+                        dims, on_policy=False)
     elif mode == "save":  # one step, then a checkpoint
         import train_dapo as T
         train_steps(model, opt, dims, steps=1)

@@ -73,7 +73,8 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode):
     cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                    ppo_micro_batch_size_per_gpu=6)
     before = {k: v.detach().clone() for k, v in m.named_parameters()}
-    T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, contextlib.nullcontext(), dims)
+    T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, contextlib.nullcontext(), dims,
+                    on_policy=False)
     torchrun(2, mode, model_dir, tmp_path / "out.pt")
     assert max_diff(dict(m.named_parameters()), before) > 1e-3  # the step is large enough to see a scale error
     assert max_diff(dict(m.named_parameters()), torch.load(tmp_path / "out.pt")["params"]) < 1e-5
