@@ -215,16 +215,6 @@ def sum_over_dp(values: dict, dims: ParallelDims) -> dict:
     return dict(zip(keys, t.tolist()))
 
 
-def all_reduce_mean(values: dict, dims: ParallelDims) -> dict:
-    """Mean of a dict of floats over ranks (same keys on every rank)."""
-    if dims.world_size == 1 or not values:
-        return values
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: v / dims.world_size for k, v in zip(keys, t.tolist())}
-
-
 def all_reduce_max(value: int, dims: ParallelDims) -> int:
     if dims.world_size == 1:
         return value
