@@ -1,10 +1,12 @@
 """
-The policy model: Qwen2 / Qwen2.5 / Qwen3 / Llama-3 decoders in plain torch, HF safetensors in and
+The policy model: Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama-3 decoders in plain torch, HF safetensors in and
 out, a packed ("remove padding") forward, and chunked token log-probs + entropy. The tokenizer and its
 chat template live in data.py (no torch needed to prepare data).
 
-Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), so a checkpoint
-loads by name and the rollout engine receives HF-named tensors without a mapping table.
+Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), except that a MoE layer holds
+its experts stacked (mlp.experts.gate_up_proj [E, 2 * I, H], mlp.experts.down_proj [E, H, I], as transformers 5
+does in memory) where checkpoints and vLLM hold one tensor per expert (mlp.experts.N.gate_proj.weight, ...):
+hf_tensors maps a parameter to its HF tensors, the one mapping used by loading, saving and the weight push.
 """
 import functools
 import itertools
@@ -17,8 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "LlamaForCausalLM": "llama"}  # architecture -> config.json's model_type
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 
 # -----------------------------------------------------------------------------
 # config
@@ -43,6 +50,14 @@ class ModelConfig:
     max_position_embeddings: int = 32768  # the context limit: prompt + response must fit in it
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
+    # mixture of experts (Qwen3MoeForCausalLM; 0 experts = dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # width of each expert's SwiGLU
+    norm_topk_prob: bool = False  # renormalize the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: list = field(default_factory=list)  # ... and i is not listed here (those use intermediate_size)
+    router_aux_loss_coef: float = 0.0  # the checkpoint's load-balancing loss weight (transformers' default 0.001)
     hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json, for saving
 
     def __post_init__(self):
@@ -53,7 +68,15 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_bias is None:
             self.attention_bias = self.architecture == "Qwen2ForCausalLM"
-        self.qk_norm = self.architecture == "Qwen3ForCausalLM"
+        self.qk_norm = self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        if (self.architecture == "Qwen3MoeForCausalLM") != (self.num_experts > 0) or self.num_experts and not (
+                1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+                and self.decoder_sparse_step > 0):
+            raise ValueError(f"{self.architecture} with num_experts={self.num_experts}, num_experts_per_tok="
+                             f"{self.num_experts_per_tok}, moe_intermediate_size={self.moe_intermediate_size}, "
+                             f"decoder_sparse_step={self.decoder_sparse_step}: Qwen3MoeForCausalLM, and only it, "
+                             "needs num_experts >= num_experts_per_tok >= 1, moe_intermediate_size and "
+                             "decoder_sparse_step >= 1; fix config.json")
         if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads={self.num_key_value_heads} does not divide num_attention_heads="
                              f"{self.num_attention_heads}: grouped-query attention shares each kv head among an "
@@ -64,8 +87,7 @@ class ModelConfig:
         """Read an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         arch = (d.get("architectures") or [None])[0]
         if arch is None:  # a config saved without a model: fall back on model_type
-            arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(
-                d.get("model_type"), d.get("model_type"))
+            arch = {t: a for a, t in MODEL_TYPES.items()}.get(d.get("model_type"), d.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r} in config.json; nanodapo supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -84,6 +106,13 @@ class ModelConfig:
             elif kind != "llama3":
                 raise ValueError(f"unsupported rope scaling {kind!r}; nanodapo supports none or 'llama3'")
         qwen2 = arch == "Qwen2ForCausalLM"
+        moe = {}
+        if arch == "Qwen3MoeForCausalLM":  # defaults: transformers' Qwen3MoeConfig
+            moe = dict(num_experts=d["num_experts"] if "num_experts" in d else d["num_local_experts"],
+                       num_experts_per_tok=d["num_experts_per_tok"], moe_intermediate_size=d["moe_intermediate_size"],
+                       norm_topk_prob=d.get("norm_topk_prob", False), decoder_sparse_step=d.get("decoder_sparse_step", 1),
+                       mlp_only_layers=list(d.get("mlp_only_layers") or []),
+                       router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001))
         return cls(
             architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -93,13 +122,12 @@ class ModelConfig:
             rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=True if qwen2 else d.get("attention_bias", False),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), hf_config=dict(d))
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), hf_config=dict(d), **moe)
 
     def to_hf(self, dtype: torch.dtype) -> dict:
         """An HF config.json dict that transformers and vLLM load."""
         d = dict(self.hf_config)
-        model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
-        d.update(architectures=[self.architecture], model_type=model_type[self.architecture],
+        d.update(architectures=[self.architecture], model_type=MODEL_TYPES[self.architecture],
                  vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                  intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
                  num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
@@ -111,15 +139,34 @@ class ModelConfig:
         d.pop("rope_parameters", None)  # rope_theta/rope_scaling above are read by transformers 4 and 5
         if self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.attention_bias
+        if self.num_experts:  # num_experts, as the published configs (transformers 5 reads it as num_local_experts)
+            d.pop("num_local_experts", None)
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers,
+                     router_aux_loss_coef=self.router_aux_loss_coef)
         return d
 
-    def num_params(self) -> int:
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i has the sparse MLP (the rule of transformers' Qwen3MoeDecoderLayer)."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def num_params(self, experts_per_token: int | None = None) -> int:
+        """All parameters; with experts_per_token = k, those one token uses (k experts of each MoE layer)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        block = attn + 3 * h * self.intermediate_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        experts = self.num_experts if experts_per_token is None else experts_per_token
+        moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size  # router + experts
+        mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
+                   for i in range(self.num_hidden_layers))
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * block + emb + h
+        return self.num_hidden_layers * (attn + norms) + mlps + emb + h
+
+    def num_active_params(self) -> int:
+        """Parameters used per token: num_params() for a dense model, top-k experts per MoE layer otherwise."""
+        return self.num_params(experts_per_token=self.num_experts_per_tok)
 
 
 # The published config.json fields that ModelConfig.from_hf reads, keyed by the lower-cased model directory name;
@@ -141,6 +188,18 @@ KNOWN_CONFIGS = {
                          intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=True,
                          max_position_embeddings=32768),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False,
+                          max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          router_aux_loss_coef=0.001),
+    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=4096,
+                            intermediate_size=12288, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-06,
+                            tie_word_embeddings=False, max_position_embeddings=40960, num_experts=128,
+                            num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
     "qwen2-0.5b-instruct": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
                                 intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                                 num_key_value_heads=2, rope_theta=1000000.0, rms_norm_eps=1e-06,
@@ -437,18 +496,98 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+def _grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """bf16 when the experts should run as torch._grouped_mm (CUDA, bf16 inputs or autocast), else None."""
+    if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return dtype if dtype == torch.bfloat16 else None
+
+
+class Experts(nn.Module):
+    """num_experts SwiGLU MLPs, stacked: gate_up_proj [E, 2 * I, H] (each expert's gate rows, then its up rows) and
+    down_proj [E, H, I]. One parameter per projection, so FSDP (and expert parallelism) shard along experts."""
+
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x, ends):
+        """x [N, H], rows sorted by expert; ends [E]: cumulative row counts (expert e has rows ends[e-1]:ends[e])
+        -> [N, H], each row through its expert."""
+        dtype = _grouped_mm_dtype(x)
+        if dtype is not None:  # one grouped GEMM per projection, no host sync
+            offs = ends.to(torch.int32)
+            gate, up = torch._grouped_mm(x.to(dtype), self.gate_up_proj.to(dtype).transpose(1, 2), offs=offs).chunk(2, -1)
+            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(1, 2), offs=offs)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+        out = []
+        for e, xe in enumerate(x.split(counts)):  # other devices / dtypes: the experts that received rows
+            if len(xe):
+                gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, -1)
+                out.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(out) if out else x
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse MLP: the router (`gate`) picks each token's top-k experts by softmax probability (fp32);
+    the token's output is the sum of their outputs weighted by those probabilities (renormalized to sum to 1 when
+    norm_topk_prob). Every expert computes, so nothing is dropped."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x, router_loads: list | None = None):
+        shape, E = x.shape, self.gate.weight.shape[0]
+        x = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if router_loads is not None:
+            router_loads.append(router_load(probs, experts))
+        order = experts.flatten().argsort(stable=True)  # (token, k) slots grouped by expert
+        ends = torch.searchsorted(experts.flatten()[order], torch.arange(E, device=x.device), right=True)
+        y = self.experts(x[order // self.top_k], ends)
+        y = torch.zeros_like(y).index_copy(0, order, y).view(-1, self.top_k, shape[-1])  # back to token order
+        return (y * weights.to(y.dtype)[..., None]).sum(1).view(shape)
+
+
+def router_load(probs, experts) -> torch.Tensor:
+    """One MoE layer's router statistics over its tokens, fp32 [2, E]: row 0 = how many tokens picked each expert
+    among their top-k (experts [N, k]), row 1 = the sum of the router probabilities (probs [N, E]) per expert."""
+    picks = torch.zeros_like(probs[0]).index_add_(0, experts.flatten(), torch.ones_like(experts.flatten(),
+                                                                                          dtype=probs.dtype))
+    return torch.stack([picks, probs.sum(0)])
+
+
+def load_balancing_loss(router_loads: list, top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss as transformers computes it (load_balancing_loss_func, no padding): over
+    all tokens of all MoE layers, E * sum_e f_e * P_e with f_e = top-k picks of expert e / tokens and P_e = mean
+    router probability of e. 1 x top_k when routing is uniform. Gradients reach the routers through P."""
+    total = torch.stack(router_loads).sum(0)
+    tokens = total[0].sum() / top_k
+    return total.shape[1] * (total[0] / tokens * total[1] / tokens).sum()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg)
 
     # the caller picks the layer's cache: no layer index inside, so every block is the same compiled graph
-    def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
+    def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None, router_loads=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, router_loads) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Transformer(nn.Module):
@@ -457,7 +596,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # tied embeddings: no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -478,6 +617,9 @@ class Transformer(nn.Module):
                         m.bias.zero_()
                 elif isinstance(m, RMSNorm):
                     m.weight.fill_(1.0)
+                elif isinstance(m, Experts):
+                    m.gate_up_proj.normal_(0.0, std, generator=g)
+                    m.down_proj.normal_(0.0, std, generator=g)
         return self
 
     @property
@@ -486,12 +628,14 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, position_ids=None, batch: AttnBatch | None = None, *, target_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False, logprob_chunk: int = 1024,
-                logits_at: torch.Tensor | None = None):
+                logits_at: torch.Tensor | None = None, router_loads: list | None = None):
         """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
         (log p(target), entropy or None), each [B, T] in fp32, computed in chunks of logprob_chunk tokens.
 
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
         logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last tokens).
+        router_loads: a list: each MoE layer appends its router_load (for load_balancing_loss) of this forward's
+        tokens (with sequence parallelism: this rank's share). None: nothing is computed for it.
         With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank of the group
         passes the same full row, computes 1/sp of it, and gets the whole row's (identical) outputs. Other
         forwards (logits, generation) run whole on every rank.
@@ -509,12 +653,15 @@ class Transformer(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
         x = self.model.embed_tokens(input_ids)
+        loads = None if router_loads is None else []  # a recompute's appends land here, not in the caller's list
         for i, layer in enumerate(self.model.layers):
             kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, kv_cache, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, kv_cache, loads, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, batch, kv_cache)
+                x = layer(x, cos, sin, batch, kv_cache, loads)
+        if router_loads is not None:
+            router_loads.extend(loads)
         h = self.model.norm(x)
         if logits_at is not None:
             return F.linear(h.flatten(0, 1)[logits_at], self.output_weight)
@@ -575,6 +722,28 @@ def pack_sequences(seqs: list[list[int]], device=None):
 # -----------------------------------------------------------------------------
 # HF checkpoints in and out
 
+_EXPERT_PROJ = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # stack -> HF projections
+
+
+def hf_slices(name: str, shape) -> list[tuple[str, tuple]]:
+    """A parameter (name, shape) -> its HF tensors as (HF name, index into the parameter). An expert stack
+    model.layers.N.mlp.experts.gate_up_proj [E, 2I, H] -> for each expert e, model.layers.N.mlp.experts.e.gate_proj.weight
+    at [e, :I] and ...e.up_proj.weight at [e, I:]; ...experts.down_proj [E, H, I] -> ...experts.e.down_proj.weight at
+    [e, :H]. Any other name, HF names included, maps to itself at index ()."""
+    layer, _, proj = name.rpartition(".experts.")
+    if proj not in _EXPERT_PROJ:
+        return [(name, ())]
+    n = shape[1] // len(_EXPERT_PROJ[proj])
+    return [(f"{layer}.experts.{e}.{hf}.weight", (e, slice(j * n, (j + 1) * n)))
+            for e in range(shape[0]) for j, hf in enumerate(_EXPERT_PROJ[proj])]
+
+
+def hf_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A full parameter (not a DTensor shard) -> [(HF name, tensor)]: the tensor itself, or for an expert stack one
+    view per expert and projection (writing into a view writes the stack). For checkpoints and load_weights."""
+    return [(hf, tensor[ix] if ix else tensor) for hf, ix in hf_slices(name, tensor.shape)]
+
+
 
 def _read_json(path):
     try:
@@ -628,7 +797,7 @@ def check_weights(path: str) -> ModelConfig:
     Raises ValueError / FileNotFoundError naming the file and tensor."""
     cfg = load_config(path)
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(cfg).named_parameters()}
+        expected = {hf: tuple(t.shape) for k, v in Transformer(cfg).named_parameters() for hf, t in hf_tensors(k, v)}
     found = set()
     for f in safetensors_files(path):
         with _open_safetensors(f) as sf:
@@ -648,7 +817,7 @@ def check_weights(path: str) -> ModelConfig:
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors that its config.json implies, e.g. "
                          f"{missing[:3]}; a shard is missing or config.json does not describe these weights "
-                         "(num_hidden_layers, tie_word_embeddings)")
+                         "(num_hidden_layers, tie_word_embeddings, num_experts)")
     return cfg
 
 
@@ -656,54 +825,75 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
     """Load an HF checkpoint straight into the module: built on the meta device, optionally sharded by
     `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by
     tensor. Each rank keeps only its shard, so a 32B model never exists twice in memory."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     cfg = check_weights(path)  # names and shapes, before any memory is spent
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
-    params = dict(model.named_parameters())
+    targets = {hf: (p, ix) for name, p in model.named_parameters() for hf, ix in hf_slices(name, p.shape)}
     for f in safetensors_files(path):
         with _open_safetensors(f) as sf:
             for name in sf.keys():
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                t, p = sf.get_tensor(name), params[name]
                 with torch.no_grad():
-                    if isinstance(p, DTensor):  # every rank read the full tensor; keep this rank's shard
-                        t = distribute_tensor(t.to(device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-                        p.to_local().copy_(t.to_local())
-                    else:
-                        p.copy_(t)
+                    _copy_into(*targets[name], sf.get_tensor(name))
     return model
 
 
+def _copy_into(p: torch.Tensor, ix: tuple, t: torch.Tensor):
+    """p[ix] = t, where p may be a DTensor: every rank read the full t and keeps the part inside its shard."""
+    if not isinstance(p, DTensor):
+        (p[ix] if ix else p).copy_(t)
+    elif not ix:
+        p.to_local().copy_(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                             src_data_rank=None).to_local())
+    else:  # a slice of a sharded expert stack: intersect its box with this rank's box, dim by dim
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        box = [slice(i, i + 1) if isinstance(i, int) else i for i in ix] + [slice(0, n) for n in p.shape[len(ix):]]
+        src, dst = [], []
+        for s, o, n in zip(box, offset, shape):
+            lo, hi = max(s.start, o), min(s.stop, o + n)
+            if lo >= hi:
+                return  # not on this rank
+            src.append(slice(lo - s.start, hi - s.start))
+            dst.append(slice(lo - o, hi - o))
+        p.to_local()[tuple(dst)].copy_(t.reshape([s.stop - s.start for s in box])[tuple(src)])
+
+
+def _save_shard(tensors: list, file: str):
+    # copies, one shard at a time: views of one expert stack may not share memory in a file; GPU tensors go to the host
+    save_file({k: v.to("cpu", copy=True, memory_format=torch.contiguous_format) for k, v in tensors}, file,
+              metadata={"format": "pt"})
+
+
 def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = 5 * 2**30, state_dict=None):
-    """Write config.json + safetensors (sharded with an index above max_shard_bytes) that transformers
-    and vLLM load. `state_dict` overrides model.state_dict() (e.g. full tensors gathered from FSDP)."""
-    from safetensors.torch import save_file
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes) in HF's names (hf_tensors),
+    which transformers and vLLM load. `state_dict` overrides model.state_dict() (e.g. full tensors gathered from
+    FSDP), in nanodapo's or HF's names."""
     os.makedirs(path, exist_ok=True)
     sd = state_dict if state_dict is not None else model.state_dict()
-    sd = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
-    dtype = next(iter(sd.values())).dtype
-    shards, cur, size = [], {}, 0
-    for k, v in sd.items():
+    tensors = [pair for k, v in sd.items() for pair in hf_tensors(k, v.detach())]
+    dtype = tensors[0][1].dtype
+    shards, cur, size = [], [], 0
+    for k, v in tensors:
         nbytes = v.numel() * v.element_size()
         if cur and size + nbytes > max_shard_bytes:
             shards.append(cur)
-            cur, size = {}, 0
-        cur[k], size = v, size + nbytes
+            cur, size = [], 0
+        cur.append((k, v))
+        size += nbytes
     shards.append(cur)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        _save_shard(shards[0], os.path.join(path, "model.safetensors"))
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        total = sum(v.numel() * v.element_size() for v in sd.values())
+            _save_shard(shard, os.path.join(path, name))
+            weight_map.update({k: name for k, _ in shard})
+        total = sum(v.numel() * v.element_size() for _, v in tensors)
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
