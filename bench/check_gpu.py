@@ -1,30 +1,12 @@
 """
-Correctness and model checks on CUDA; prints one PASS/FAIL line per check, then the packed
-forward+backward throughput of a Qwen2.5-1.5B-shaped model.
+Correctness checks of the built-in engine and the packed forward on CUDA (one PASS/FAIL line each), then the
+packed forward+backward tokens/s and MFU of a Qwen2.5-1.5B-shaped model; --tiny runs the script on the CPU.
 
-    PYTHONUNBUFFERED=1 python3 bench/check_gpu.py            # GPU
-    PYTHONUNBUFFERED=1 python3 bench/check_gpu.py --parts i  # GPU, the rollout engine only
-    python bench/check_gpu.py --tiny                         # CPU: the script, and the graph path emulated
-
-(i)   rollout.TorchEngine greedy generation on a small random fp32 model on the GPU, two decode paths:
-      no graphs (eager) and CUDA graphs (eager step); each == a naive full-recompute loop (tokens, finish
-      reasons, log-probs): prompts of different lengths, n = 1 and 3, stop tokens that end rows at
-      different steps (compaction, graph buckets with padding rows), one row running 300 tokens (it crosses
-      a cache-span boundary: a second graph per bucket), several waves; sampled generation (T=1, fixed
-      seed) graphs vs no graphs, and its log-probs against the trainer's; a bf16 model (varlen prefill,
-      graph decode) against the packed trainer forward, measured against the no-graph engine's own error.
-      With --tiny on the CPU, the graph path runs with torch.cuda's stream and graph calls replaced by an
-      emulation (a "graph" re-runs the step it recorded): checks the bucket / span / padding-row / warm-up
-      logic, not CUDA graphs themselves.
-(ii)  the packed forward on CUDA (torch.nn.attention.varlen when available) == the per-document forward,
-      logits and log-prob gradients, in fp32 and bf16, each against a float64 CPU reference.
-(iii) Qwen2.5-1.5B-shaped random model, bf16, packed forward+backward with gradient checkpointing and
-      target_ids (per-token log-probs, loss = -logp.mean()) on ~16k tokens of documents of mixed lengths:
-      tokens/s (median of 5 iterations after 2 warm-ups), MFU against a bf16 matmul measured in the same
-      run, and peak memory. Writes $OUT/check_gpu.json when $OUT is set.
+    python bench/check_gpu.py --parts i,ii,iii
 """
 import argparse
-import json
+import contextlib
+import inspect
 import os
 import random
 import statistics
@@ -34,10 +16,12 @@ import traceback
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/
 
-import torch
+import torch  # noqa: E402
 
-import model as M
-import rollout as R
+import model as M  # noqa: E402
+import parallel  # noqa: E402
+import rollout as R  # noqa: E402
+from bench.common import dump, matmul_peak, model_config, random_model, sync, timed  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true",
@@ -45,7 +29,7 @@ p.add_argument("--tiny", action="store_true",
 p.add_argument("--tokens", type=int, default=16384, help="packed tokens per step in (iii)")
 p.add_argument("--parts", default="i,ii,iii", help="comma list of the parts to run: i, ii, iii")
 args = p.parse_args()
-dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+dev = parallel.get_device()
 cuda = dev.type == "cuda"
 torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks in true fp32
 torch.backends.cudnn.allow_tf32 = False
@@ -63,18 +47,6 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def guarded(name):
-    """Run a check function; an exception is a FAIL line with the error, and the script goes on."""
-    def deco(fn):
-        try:
-            fn()
-        except Exception as e:
-            traceback.print_exc()
-            check(name, False, f"raised {type(e).__name__}: {str(e)[:300]}")
-        return fn
-    return deco
-
-
 def small_cfg(**kw):
     d = dict(architecture="Qwen2ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -85,7 +57,6 @@ def small_cfg(**kw):
 print(RES["info"], "varlen available:", M._varlen_available(dev.type), flush=True)
 if cuda:
     try:
-        import inspect
         from torch.nn.attention.varlen import varlen_attn
         RES["info"]["varlen_signature"] = str(inspect.signature(varlen_attn))
         print("varlen_attn", RES["info"]["varlen_signature"])
@@ -93,13 +64,14 @@ if cuda:
         pass
 
 # -----------------------------------------------------------------------------
-# (i) the built-in engine: graphs == no graphs == naive loop (fp32)
+# (i) rollout.TorchEngine, no graphs and CUDA graphs, == a naive full-recompute loop (tokens, finish reasons,
+# log-probs) on a small fp32 model: rows of different lengths, one crossing a cache span, several waves; then
+# sampling, graphs vs no graphs, and a bf16 model against the packed trainer forward
 
 
 def emulate_cuda_graphs():
     """CPU only: replace torch.cuda's streams and graphs so that TorchEngine's graph path runs; a "graph"
     re-runs the decode step called during its capture (rollout._decode_step is wrapped to record it)."""
-    import contextlib
     state = {"capturing": False}
 
     class Graph:
@@ -156,10 +128,7 @@ def tokens_of(out):
     return [[c.token_ids for c in cs] for cs in out]
 
 
-@guarded("(i) engine")
-def _():
-    if "i" not in args.parts.split(","):
-        return
+def check_engine():
     graphs = cuda or args.tiny  # on the CPU only as an emulation
     if graphs and not cuda:
         emulate_cuda_graphs()
@@ -244,13 +213,11 @@ def _():
 
 
 # -----------------------------------------------------------------------------
-# (ii) packed forward == per-document forward
+# (ii) the packed forward (varlen attention where available) == the per-document forward: logits and
+# log-prob gradients in fp32 and bf16, each against a float64 CPU reference
 
 
-@guarded("(ii) packed forward")
-def _():
-    if "ii" not in args.parts.split(","):
-        return
+def check_packed_forward():
     cfg = small_cfg(vocab_size=1000, hidden_size=256, intermediate_size=512, num_attention_heads=8,
                     num_key_value_heads=2)
     docs_len = [37, 128, 5, 300, 1, 64]
@@ -296,53 +263,23 @@ def _():
 
 
 # -----------------------------------------------------------------------------
-# (iii) Qwen2.5-1.5B-shaped packed forward + backward
+# (iii) Qwen2.5-1.5B-shaped random bf16 model: packed forward + backward with gradient checkpointing and
+# target_ids (loss = -logp.mean()) over documents of mixed lengths; median of 5 steps after 2
 
 
-def build_15b():
-    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                        tie_word_embeddings=True, rope_theta=1e6)
-    if args.tiny:
-        cfg = small_cfg(vocab_size=512, tie_word_embeddings=True)
-    if not cuda:
-        return M.Transformer(cfg).init_weights(seed=0).to(torch.bfloat16)
-    with torch.device("cuda"):  # init_weights draws on the model's device
-        m = M.Transformer(cfg)
-    return m.init_weights(seed=0).to(torch.bfloat16)
-
-
-@guarded("(iii) 1.5B packed fwd+bwd")
-def _():
-    if "iii" not in args.parts.split(","):
-        return
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
+def check_fwd_bwd():
     peak = None
-    if cuda:  # bf16 matmul rate measured now, for MFU
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        for _ in range(3):
-            a @ b
-        sync()
-        t = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        sync()
-        peak = 10 * 2 * 8192**3 / (time.perf_counter() - t)
-        del a, b
+    if cuda:
+        peak = matmul_peak(dev)
         RES["info"]["bf16_matmul_TFLOPs"] = round(peak / 1e12, 1)
         print(f"bf16 matmul 8192^3: {peak / 1e12:.0f} TFLOP/s")
-    m = build_15b().train()
+    m = random_model(model_config("qwen2.5-1.5b", args.tiny), dev, torch.bfloat16).train()
     m.gradient_checkpointing = True
     cfg = m.config
     n_params = sum(p.numel() for p in m.parameters())
-    # documents of mixed lengths (64 .. 4096) filling args.tokens
     rng = random.Random(0)
     total = args.tokens if not args.tiny else 512
-    lens = []
+    lens = []  # documents of 64 .. 4096 tokens filling args.tokens
     while sum(lens) < total:
         lens.append(min(rng.randint(64, 4096 if not args.tiny else 128), total - sum(lens)))
     g = torch.Generator().manual_seed(0)
@@ -359,17 +296,14 @@ def _():
         return loss
 
     for _ in range(2):
-        loss = step()
-    sync()
+        step()
+    sync(dev)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, loss = [], None
     for _ in range(5 if not args.tiny else 2):
-        sync()
-        t = time.perf_counter()
-        loss = step()
-        sync()
-        times.append(time.perf_counter() - t)
+        dt, loss = timed(step, dev)
+        times.append(dt)
     dt = statistics.median(times)
     ntok = sum(lens)
     attn_flops = sum(6 * n * n * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers for n in lens)
@@ -388,8 +322,18 @@ def _():
           f"({r.get('peak_reserved_GiB')} reserved), MFU {r.get('MFU_6N')}")
 
 
+# -----------------------------------------------------------------------------
+# run the parts asked for; an exception is a FAIL line with the error, and the script goes on
+
+for part, name, fn in (("i", "(i) engine", check_engine), ("ii", "(ii) packed forward", check_packed_forward),
+                       ("iii", "(iii) 1.5B packed fwd+bwd", check_fwd_bwd)):
+    if part in args.parts.split(","):
+        try:
+            fn()
+        except Exception as e:
+            traceback.print_exc()
+            check(name, False, f"raised {type(e).__name__}: {str(e)[:300]}")
 n_fail = sum(not c["pass"] for c in RES["checks"].values())
 print(f"\n{len(RES['checks']) - n_fail} PASS, {n_fail} FAIL")
 if OUT:
-    with open(os.path.join(OUT, "check_gpu.json"), "w") as f:
-        json.dump(RES, f, indent=1)
+    dump(RES, os.path.join(OUT, "check_gpu.json"))

@@ -1,10 +1,9 @@
 """
-A deterministic reward for benchmarks: sha256 of the response text, mapped to 0 or 1. It needs no
-correct answers (a random model has none) yet gives groups reward variance, so the GRPO advantages and
-the policy loss are non-trivial. The same function serves both trainers in bench/step.py:
+A reward for benchmarks that needs no correct answers (a random model has none): sha256 of the response text,
+mapped to 0 or 1, so groups still have reward variance and the policy loss is not trivial. One function for
+nanodapo (verl's compute_score signature) and TRL (trl_reward, a GRPOTrainer reward function):
 
-    nanodapo:  reward_fn = "bench/hash_reward.py:compute_score"   (verl's compute_score signature)
-    TRL:       GRPOTrainer(reward_funcs=[trl_reward], ...)        (prompts, completions, **kwargs)
+    python bench/step.py --sides nanodapo_torch,trl     # gives it to both trainers
 """
 import hashlib
 

@@ -1,44 +1,26 @@
 """
-Rollout throughput: nanodapo's built-in TorchEngine (eager CUDA-graph decode) against
-transformers' `generate` and vLLM, on a random-init Qwen2.5-1.5B-shaped model, and the memory-bound
-decode limit of the same GPU.
+Rollout tokens/s on a random-init Qwen2.5-1.5B-shaped model: the built-in rollout.TorchEngine against
+transformers' generate, vLLM (bare, and through rollout.VLLMEngine) and the memory-bound decode limit.
 
-    PYTHONUNBUFFERED=1 python3 bench/rollout.py                       # GPU: built-in, transformers, limit (+vLLM if importable)
-    PYTHONUNBUFFERED=1 python3 bench/rollout.py --engines torch,vllm  # the vLLM run (env: shared/VLLM_ON_DEVICE.md)
-    python bench/rollout.py --tiny                                    # CPU smoke test of the script, seconds
-
-What it measures, for B = 64 and 256 prompts (n=1) of 256 random tokens and max_tokens 512 and 2048,
-sampling at temperature 1 with EOS ignored (every row generates exactly max_tokens):
-  tokens/s = B * max_tokens / wall time of one generate call (prefill included), median of --repeats
-  (--repeats-long for max_tokens > 512) timed calls after one small warm-up generate per engine (for the
-  built-in engine the first timed call includes its cache allocation and CUDA-graph captures for that size;
-  it is reported apart as "1st call").
-  (a) rollout.TorchEngine as committed, "torch": on CUDA its eager decode step is replayed from CUDA graphs
-  captured per (batch bucket, cache span),
-  (b) transformers Qwen2ForCausalLM.generate on the same weights (bf16, sdpa, do_sample, min_new_tokens =
-  max_new_tokens; only up to --hf-max-tokens, it is slow),
-  (c) vLLM when importable (skip_tokenizer_init, ignore_eos), (d) the memory-bound decode limit:
-  one decode step must read every weight once plus the live KV cache (average over the steps:
-  prompt + max_tokens/2 tokens per row); over the device-to-device copy bandwidth measured here
-  (bytes read + written of a 1 GiB copy) that is a step-time floor, and the limit is B / floor.
-Diagnostics for the built-in engine (what its decode step spends): prefill time, the whole loop's time
-per step, one replay of each CUDA graph the timed calls used (one per cache span), and the sampling
-call alone. Writes the results to $OUT/rollout.json when $OUT is set (after every stage).
+    python bench/rollout.py --engines torch,hf,vllm --batch 64,256 --max-tokens 512,2048
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 
-sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/ (bench/rollout.py would shadow rollout.py)
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root: bench/rollout.py is not rollout.py
 
-import torch
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-import model as M
-import rollout as R
+import model as M  # noqa: E402
+import parallel  # noqa: E402
+import rollout as R  # noqa: E402
+from bench.common import VLLM_ENV, dump, median_seconds, model_config, random_model, timed  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model, small sizes: a CPU smoke test of this script")
@@ -60,36 +42,27 @@ Bs = [int(x) for x in args.batch.split(",")]
 Ts = [int(x) for x in args.max_tokens.split(",")]
 P = args.prompt_len
 engines = args.engines.split(",")
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-OUT = os.environ.get("OUT")
+device = parallel.get_device()
+cuda = device.type == "cuda"
+OUT = os.path.join(os.environ["OUT"], "rollout.json") if os.environ.get("OUT") else None
 RES = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "rows": {}, "diagnostics": {}, "errors": {}}
 
 
-def dump():
+def save():
     if OUT:
-        with open(os.path.join(OUT, "rollout.json"), "w") as f:
-            json.dump(RES, f, indent=1, default=str)
-
-
-def sync():
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn):
-    sync()
-    t = time.perf_counter()
-    out = fn()
-    sync()
-    return time.perf_counter() - t, out
+        dump(RES, OUT)
 
 
 def row(B, T):
     return RES["rows"].setdefault(f"B{B}_T{T}", {"B": B, "max_tokens": T, "prompt_len": P})
 
 
+def repeats(T):
+    return args.repeats if T <= 512 else args.repeats_long
+
+
 # -----------------------------------------------------------------------------
-# environment
+# environment and model
 
 RES["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__}
 try:
@@ -97,7 +70,7 @@ try:
     RES["versions"]["transformers"] = transformers.__version__
 except ImportError:
     pass
-if device.type == "cuda":
+if cuda:
     RES["gpu"] = torch.cuda.get_device_name()
     try:
         RES["nvidia_smi"] = subprocess.run(
@@ -108,40 +81,29 @@ if device.type == "cuda":
         RES["nvidia_smi"] = repr(e)
 print(f"versions: {RES['versions']}, device {RES.get('gpu', device)}")
 
-# -----------------------------------------------------------------------------
-# model: random init, Qwen2.5-1.5B shape (or tiny)
-
-if args.tiny:
-    cfg = M.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)
-else:
-    cfg = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-1.5b"])
+cfg = model_config("qwen2.5-1.5b", args.tiny)
 t0 = time.perf_counter()
-with torch.device(device):  # init_weights draws on the model's device
-    model = M.Transformer(cfg)
-model = model.init_weights(seed=0).to(torch.bfloat16).eval()
+model = random_model(cfg, device, torch.bfloat16).eval()
 RES["n_params"] = sum(p.numel() for p in model.parameters())
 RES["build_s"] = round(time.perf_counter() - t0, 2)
 print(f"model: {RES['n_params'] / 1e9:.3f} B params, built in {RES['build_s']} s")
 
 gen = torch.Generator().manual_seed(0)
 PROMPTS = {B: torch.randint(100, cfg.vocab_size - 100, (B, P), generator=gen).tolist() for B in Bs}
-need_ckpt = any(e in engines for e in ("hf", "vllm"))
-if need_ckpt:
+if any(e in engines for e in ("hf", "vllm")):
     t0 = time.perf_counter()
     M.save_pretrained(model, args.ckpt_dir)
     print(f"saved checkpoint to {args.ckpt_dir} in {time.perf_counter() - t0:.1f} s")
 
 # -----------------------------------------------------------------------------
-# (d) the memory-bound decode limit, from a copy bandwidth measured now
+# the memory-bound decode limit: a step reads every weight once plus the live KV cache, at the copy bandwidth
 
-n = (2**28 if device.type == "cuda" else 2**24)  # fp32: 1 GiB on the GPU, 64 MiB on the CPU
-src = torch.randn(n, device=device)
+src = torch.randn(2**28 if cuda else 2**24, device=device)  # fp32: 1 GiB on the GPU, 64 MiB on the CPU
 dst = torch.empty_like(src)
 for _ in range(3):
     dst.copy_(src)
 reps = 20
-dt, _ = timed(lambda: [dst.copy_(src) for _ in range(reps)])
+dt, _ = timed(lambda: [dst.copy_(src) for _ in range(reps)], device)
 copy_bw = 2 * src.numel() * src.element_size() * reps / dt  # bytes read + written
 del src, dst
 RES["copy_bw_GBps"] = round(copy_bw / 1e9, 1)
@@ -158,25 +120,24 @@ for B in Bs:
         r["limit_step_ms"] = round(floor * 1e3, 3)
         r["limit_tok_s"] = round(B / floor, 1)
         r["limit_kv_GB_per_step"] = round(kv / 1e9, 3)
-dump()
+save()
 
 # -----------------------------------------------------------------------------
-# (a) the built-in engine
+# the built-in engine (CUDA graphs on CUDA); the first timed call of a size includes its graph captures
 
 
 def bench_torch(name="torch"):
-    """The built-in engine as constructed by default (CUDA graphs on CUDA)."""
     eng = R.TorchEngine(model, max_num_seqs=max(Bs))
     warm = R.SamplingParams(n=1, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=True)
-    t, _ = timed(lambda: eng.generate(PROMPTS[Bs[0]][:4], warm))
+    t, _ = timed(lambda: eng.generate(PROMPTS[Bs[0]][:4], warm), device)
     RES[f"{name}_warmup_s"] = round(t, 2)
     print(f"{name} warm-up: {t:.2f} s")
     for T in Ts:
         for B in Bs:
             sp = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True)
             times = []
-            for _ in range(args.repeats if T <= 512 else args.repeats_long):
-                dt, out = timed(lambda: eng.generate(PROMPTS[B], sp))
+            for _ in range(repeats(T)):
+                dt, out = timed(lambda: eng.generate(PROMPTS[B], sp), device)
                 ntok = sum(len(c.token_ids) for cs in out for c in cs)
                 assert ntok == B * T, (ntok, B * T)
                 times.append(dt)
@@ -185,112 +146,88 @@ def bench_torch(name="torch"):
             r[f"{name}_tok_s"] = round(B * T / statistics.median(times), 1)
             r[f"{name}_first_call_tok_s"] = round(B * T / times[0], 1)
             print(f"{name:6s} B={B:4d} T={T:5d}: {r[f'{name}_tok_s']:10.0f} tok/s  (calls {r[f'{name}_wall_s']} s)")
-            dump()
-            if device.type == "cuda":
+            save()
+            if cuda:
                 try:
                     diagnose(eng, name, B, T, statistics.median(times))
                 except Exception as e:  # diagnostics must not cost the table
                     RES["errors"][f"diag_{name}_B{B}_T{T}"] = repr(e)
                     print("diagnostics failed:", repr(e))
-                dump()
+                save()
     eng.sleep()  # free the KV cache and graphs before the next engine
-
-
-def cuda_ms(fn, iters=20):
-    """Median over iters of one call, timed with CUDA events."""
-    fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def diagnose(eng, name, B, T, wall):
     """Split the built-in engine's time: prefill, loop per step, graph replays, sampling (reads engine internals)."""
     d = RES["diagnostics"].setdefault(f"{name}_B{B}_T{T}", {"engine": name, "B": B, "max_tokens": T})
-    cache = eng._cache
     sp = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True)
     with torch.no_grad():
-        d["prefill_ms"] = round(cuda_ms(lambda: eng._prefill(PROMPTS[B], sp, cache, None), iters=3), 2)
+        prefill = median_seconds(lambda: eng._prefill(PROMPTS[B], sp, eng._cache, None), device, reps=3)
+    d["prefill_ms"] = round(prefill * 1e3, 2)
     d["loop_ms_per_step"] = round((wall * 1e3 - d["prefill_ms"]) / (T - 1), 3)
-    # the graphs the timed calls replayed: bucket B, one per cache span (positions attended to)
+
     def replay_ms(span, graph):  # positions as at capture: every row writes slot span - 1, inside the graph's span
         eng._io[1].fill_(span - 1)
-        return round(cuda_ms(graph.replay, iters=30), 3)
+        return round(median_seconds(graph.replay, device, reps=30) * 1e3, 3)
+    # the graphs the timed calls replayed: bucket B, one per cache span
     d["graph_ms_by_span"] = {s: replay_ms(s, g) for (b, s), g in sorted(eng._graphs.items()) if b == B}
     logits = torch.randn(B, cfg.vocab_size, device=device, dtype=torch.bfloat16)
-    d["sample_ms"] = round(cuda_ms(lambda: R.sample_tokens(logits, 1.0, 1.0, -1)), 3)
+    d["sample_ms"] = round(median_seconds(lambda: R.sample_tokens(logits, 1.0, 1.0, -1), device, reps=20) * 1e3, 3)
     d["floor_ms_per_step"] = row(B, T)["limit_step_ms"]
     print(f"       diag {name} B={B} T={T}: {d}")
 
 
 # -----------------------------------------------------------------------------
-# (b) transformers generate on the same weights
+# transformers generate on the same weights (bf16, sdpa, min_new_tokens = max_new_tokens)
 
 
 def bench_hf():
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(args.ckpt_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     hf = hf.to(device).eval()
-    # same weights: logits of one prompt agree with ours within bf16 rounding
     ids = torch.tensor(PROMPTS[Bs[0]][:2], device=device)[:, :64]
     with torch.no_grad():
         ref, got = model(ids).float(), hf(ids).logits.float()
     RES["hf_vs_ours_logits_rel_err"] = rel = round(((got - ref).norm() / ref.norm()).item(), 5)
     print(f"transformers vs nanodapo logits, relative error {rel} (bf16)")
-    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
 
-    def generate(B, T):
-        x = torch.tensor(PROMPTS[B], device=device)
+    def generate(prompts, T):
+        x = torch.tensor(prompts, device=device)
         with torch.no_grad():
-            return hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=T, min_new_tokens=T, **kw)
-    x = torch.tensor(PROMPTS[Bs[0]][:4], device=device)
-    with torch.no_grad():
-        t, _ = timed(lambda: hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=8,
-                                         min_new_tokens=8, **kw))
+            return hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=T, min_new_tokens=T,
+                               do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    t, _ = timed(lambda: generate(PROMPTS[Bs[0]][:4], 8), device)
     print(f"transformers warm-up: {t:.2f} s")
-    for T in Ts:
-        if T > args.hf_max_tokens:
-            continue
+    for T in [t for t in Ts if t <= args.hf_max_tokens]:
         for B in Bs:
             times = []
             for _ in range(args.hf_repeats):
-                dt, out = timed(lambda: generate(B, T))
+                dt, out = timed(lambda: generate(PROMPTS[B], T), device)
                 assert out.shape == (B, P + T), out.shape
                 times.append(dt)
             r = row(B, T)
             r["hf_wall_s"] = [round(x, 3) for x in times]
             r["hf_tok_s"] = round(B * T / statistics.median(times), 1)
             print(f"hf     B={B:4d} T={T:5d}: {r['hf_tok_s']:10.0f} tok/s  (calls {r['hf_wall_s']} s)")
-            dump()
+            save()
     del hf
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
 
 
 # -----------------------------------------------------------------------------
-# (c) vLLM, in process, as the trainer will host it (external_launcher, no tokenizer)
+# vLLM in this process, as the trainer hosts it
 
 
 def bench_vllm():
-    """One vLLM engine built by nanodapo (rollout.VLLMEngine: sleep mode, processed log-probs, weights pushed
-    from the benchmark model), timed three ways on the same engine, interleaved: "vLLM" = bare llm.generate
-    (n=1 requests, no seeds, no log-probs), "vLLM+req" = llm.generate of the requests the wrapper builds
-    (VLLMEngine.requests: a seed per request, the sampled token's log-prob, flat log-prob lists), "nd-vLLM" =
-    the wrapper's generate as the trainer calls it (those requests + Completion objects)."""
-    for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0",
-                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1",
-                 "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}.items():
+    """One rollout.VLLMEngine (weights pushed from the benchmark model), timed three ways, interleaved: "vLLM" =
+    bare llm.generate (no seeds, no log-probs), "vLLM+req" = llm.generate of the requests the wrapper builds
+    (seeds, sampled log-probs), "nd-vLLM" = the wrapper's generate as the trainer calls it."""
+    for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
-    import vllm  # rollout.VLLMEngine makes the process group of one that external_launcher joins
+    import vllm
     from vllm import SamplingParams
 
-    import parallel
     RES["versions"]["vllm"] = vllm.__version__
     t0 = time.perf_counter()
     eng = R.VLLMEngine(args.ckpt_dir, gpu_memory_utilization=args.gpu_mem_util, max_model_len=P + max(Ts) + 64,
@@ -300,7 +237,7 @@ def bench_vllm():
     eng.wake_up(["weights"])
     pushes = []
     for _ in range(4):  # the trainer's sync: bucketed full tensors into load_weights
-        dt, nbytes = timed(lambda: eng.load_weights(parallel.iter_full_weights(model, 512 * 2**20), version=0))
+        dt, nbytes = timed(lambda: eng.load_weights(parallel.iter_full_weights(model, 512 * 2**20), version=0), device)
         pushes.append(dt)
     RES["vllm_push_s"], RES["vllm_push_GB"] = [round(x, 4) for x in pushes], round(nbytes / 1e9, 3)
     print(f"weight push {nbytes / 1e9:.2f} GB: {RES['vllm_push_s']} s (first, then warm)")
@@ -313,13 +250,13 @@ def bench_vllm():
             ours = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, seed=0)
             ps = [{"prompt_token_ids": p} for p in PROMPTS[B]]
             bare, wrapped, req = [], [], []
-            for _ in range(args.repeats if T <= 512 else args.repeats_long):
-                dt, outs = timed(lambda: eng.llm.generate(ps, sp, use_tqdm=False))
+            for _ in range(repeats(T)):
+                dt, outs = timed(lambda: eng.llm.generate(ps, sp, use_tqdm=False), device)
                 assert sum(len(o.outputs[0].token_ids) for o in outs) == B * T
                 bare.append(dt)
-                dt, outs = timed(lambda: eng.llm.generate(*eng.requests(PROMPTS[B], ours), use_tqdm=False))
+                dt, outs = timed(lambda: eng.llm.generate(*eng.requests(PROMPTS[B], ours), use_tqdm=False), device)
                 req.append(dt)
-                dt, outs = timed(lambda: eng.generate(PROMPTS[B], ours, version=0))
+                dt, outs = timed(lambda: eng.generate(PROMPTS[B], ours, version=0), device)
                 assert sum(len(c[0].token_ids) for c in outs) == B * T
                 wrapped.append(dt)
             r = row(B, T)
@@ -331,7 +268,7 @@ def bench_vllm():
             print(f"vllm   B={B:4d} T={T:5d}: {r['vllm_tok_s']:10.0f} tok/s bare, {r['vllmreq_tok_s']:10.0f} with the "
                   f"wrapper's requests (seeds, log-probs), {r['ndvllm_tok_s']:10.0f} through rollout.VLLMEngine  "
                   f"(calls {r['vllm_wall_s']} / {r['vllmreq_wall_s']} / {r['ndvllm_wall_s']} s)")
-            dump()
+            save()
     eng.sleep()
 
 
@@ -349,19 +286,16 @@ if "hf" in engines:
 if "vllm" in engines:
     try:
         import vllm  # noqa: F401
-        have_vllm = True
     except ImportError as e:
-        have_vllm = False
         RES["errors"]["vllm"] = f"not importable: {e}"
         print(f"vLLM not importable ({e}); skipped")
-    if have_vllm:
+    else:
         try:
             bench_vllm()
         except Exception as e:
-            import traceback
             traceback.print_exc()
             RES["errors"]["vllm"] = repr(e)
-dump()
+save()
 
 
 def fmt(x, spec="10.0f"):
@@ -397,8 +331,6 @@ head = RES["rows"].get(f"B{max(Bs)}_T{min(Ts)}", {})
 hb, hv, hn = (head.get(k) for k in ("torch_tok_s", "vllm_tok_s", "ndvllm_tok_s"))
 print(f"headline B={max(Bs)} max_tokens={min(Ts)}: built-in / bare vLLM = {fmt(ratio(hb, hv), '5.2f')} (goal >= 0.5), "
       f"rollout.VLLMEngine / bare vLLM = {fmt(ratio(hn, hv), '5.2f')} (goal >= 0.9)")
-if "vllm" in RES["versions"]:
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+if "vllm" in RES["versions"] and dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()

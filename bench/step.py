@@ -1,67 +1,32 @@
 """
-One full DAPO training step, nanodapo (train_dapo.py as shipped) against TRL's GRPOTrainer configured as
-DAPO, on the same random-init model directory, the same prompts, the same group size and batch sizes.
+One full DAPO training step, nanodapo (train_dapo.py as shipped) against TRL's GRPOTrainer configured as DAPO,
+on the same random-init model, prompts, hash reward, group size and batch sizes; TRL runs in a child process.
 
-GPU (1xH200; device call with carry=[".whl"]). TRL 1.16.0 + datasets 5.2.0 + dill 0.4.1 + multiprocess 0.70.19
-travel as wheels in .whl/ (1.8 MiB); everything else TRL needs is on the machine. One command (~5 min):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 bench/step.py --sides nanodapo_torch,trl --out $OUT/step.json
-
-  With vLLM (after shared/VLLM_ON_DEVICE.md's install on the same warm machine; its env vars, which this script
-  also sets for its children; ~6 min):
-
-    export PYTHONPATH=/root/site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1; python3 bench/step.py --sides nanodapo_vllm,trl_vllm --out $OUT/step_vllm.json
-
-  (add `--merge step.json` with a copy of the first run's JSON to get all four sides in one table; /tmp/nanodapo_step
-  holds the model and prompts between calls on a warm machine, and each side's log.)
-CPU smoke test (tiny model, 2 steps, both trainers end to end):
-
-    python3 bench/step.py --tiny --sides nanodapo_torch,trl --out /tmp/step_tiny.json
-
-What runs (defaults; all are flags):
-  model     bench/make_random_model.py --shape qwen2.5-1.5b -> WORK/model (random bf16 weights, the demo's
-            byte-level tokenizer + chat template; a random model almost never samples EOS, so responses run
-            to max length in both trainers; the tables show the mean response length to confirm it)
-  prompts   WORK/prompts.parquet in verl's schema: a user message of random digits whose chat-templated prompt
-            is exactly --prompt-len (256) tokens (checked with nanodapo's tokenizer, and in the TRL process
-            with transformers' apply_chat_template: the ids must be equal)
-  reward    bench/hash_reward.py: sha256(response text) -> {0, 1}, same function on both sides
-  batch     --prompts P=16 prompts x --n G=8 responses of --response-len R=512 tokens per step = one optimizer
-            step (one mini-batch); micro-batches of --micro-batch 16 trajectories (TRL: per_device_train_batch_size
-            16, gradient_accumulation_steps P*G/16, generation_batch_size P*G); lr 1e-6, constant; no weight decay;
-            grad clip 1.0; bf16 compute over fp32 master weights (TRL: model dtype float32 + bf16=True);
-            gradient checkpointing on; temperature 1, top-p 1.
-  nanodapo  python3 train_dapo.py WORK/nanodapo.py [--rollout_engine torch|vllm]: DAPO clip-higher 0.2/0.28,
-            token-mean, no KL, filter_groups=False (one generation round per step, as TRL), no overlong shaping,
-            on-policy single pass (no old-log-prob forward). Times from out_dir/metrics.jsonl: timing/step and
-            the phases timing/gen, reward, old_logp, update, sync.
-  TRL       GRPOTrainer + GRPOConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, num_generations=G,
-            max_completion_length=R, scale_rewards="group", num_iterations=1) in a child process;
-            trl      use_vllm=False: transformers generate (sdpa); fp32 weights + bf16 autocast (accelerate's
-                     bf16 wraps forward in autocast, generation included), as nanodapo on one GPU;
-            trl_bf16 the same with the model loaded in bf16 (pure bf16 weights and AdamW, common in TRL recipes);
-            trl_vllm use_vllm=True, vllm_mode="colocate" (TRL's defaults otherwise: vllm_gpu_memory_utilization 0.3,
-                     importance-sampling correction on, which adds one old-log-prob forward per step).
-            Step time = wall time between consecutive on_step_end callbacks (torch.cuda.synchronize() first);
-            "gen" = wall time of _generate_and_score_completions (generation, reward, and whatever TRL computes
-            with it: weight sync to vLLM, old log-probs).
-Every side: --steps (4) optimizer steps; the table gives the median of the steps after the first (the first
-includes compilation / CUDA-graph capture / allocator growth). Headline (last line): TRL step time over
-nanodapo step time, for the matched pairs that ran (trl / nanodapo_torch, trl_vllm / nanodapo_vllm).
-Writes everything to --out (JSON; default $OUT/step.json, or ./bench_step.json). Child logs: WORK/*.log.
+    python bench/step.py --sides nanodapo_torch,nanodapo_vllm,trl,trl_vllm --out step.json
 """
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT  # the repo root, not bench/
-HERE = os.path.join(ROOT, "bench")
+
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+import data  # noqa: E402
+from bench.common import VLLM_ENV, dump, model_config, out_path, sync, timed, write_random_model  # noqa: E402
+from bench.hash_reward import trl_reward  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model, short responses, 2 steps, on the CPU")
@@ -94,10 +59,8 @@ if args.tiny:
         args.work = "/tmp/nanodapo_step_tiny"
 MODEL = os.path.join(args.work, "model")
 PROMPTS = os.path.join(args.work, "prompts.parquet")
-VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "NCCL_NVLS_ENABLE": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "WANDB_DISABLED": "true", "PYTHONUNBUFFERED": "1"}
+CHILD_ENV = {**VLLM_ENV, "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true",
+             "PYTHONUNBUFFERED": "1"}
 
 
 def median_after_first(xs):
@@ -106,30 +69,22 @@ def median_after_first(xs):
 
 
 # =============================================================================
-# the TRL side (a child process: python3 bench/step.py --trl-worker RESULT.json --use-vllm 0|1 ...)
+# the TRL side, a child process (python bench/step.py --trl-worker RESULT.json ...): GRPOTrainer with DAPO's
+# loss and clip-higher, no KL, one generation round per step; step time = wall time between on_step_end calls,
+# "gen" = _generate_and_score_completions (generation, reward, and what TRL computes with them)
 
 
 def trl_worker():
-    import dataclasses
-
-    import pyarrow.parquet as pq
-    import torch
-    import transformers
-    from transformers import AutoTokenizer, TrainerCallback
-
     import datasets
+    import transformers
     import trl
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    import importlib.util  # bench/ stays off sys.path: its train.py / step.py / sync.py would shadow real modules
-    spec = importlib.util.spec_from_file_location("hash_reward", os.path.join(HERE, "hash_reward.py"))
-    hash_reward = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hash_reward)
-    trl_reward = hash_reward.trl_reward
 
-    import model as M
     res = {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                         "datasets": datasets.__version__, "torch": torch.__version__}, "use_vllm": bool(args.use_vllm)}
     cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
     if args.use_vllm:
         import vllm
         res["versions"]["vllm"] = vllm.__version__
@@ -138,7 +93,7 @@ def trl_worker():
 
     # the same prompt token ids as nanodapo's tokenizer + chat template
     tok = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
-    ours = M.Tokenizer.from_pretrained(MODEL)
+    ours = data.Tokenizer.from_pretrained(MODEL)
     theirs = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True) for r in rows[:8]]
     theirs = [t["input_ids"] if hasattr(t, "keys") else t for t in theirs]
     mine = [ours.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True) for r in rows[:8]]
@@ -174,20 +129,16 @@ def trl_worker():
     for k in ("generation_batch_size", "steps_per_generation"):
         res["config"][k] = str(getattr(config, k, None))
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     class Timer(TrainerCallback):
         def __init__(self):
             self.step_s, self.logs, self.last = [], [], None
 
         def on_train_begin(self, a, state, control, **kw):
-            sync()
+            sync(device)
             self.last = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
-            sync()
+            sync(device)
             t = time.perf_counter()
             self.step_s.append(t - self.last)
             self.last = t
@@ -204,20 +155,17 @@ def trl_worker():
     res["init_s"] = round(time.perf_counter() - t0, 2)
     gen_s, sync_s = [], []
 
-    def timed(fn, out):
+    def recording_seconds(fn, out):
         def wrapper(*a, **k):
-            sync()
-            t = time.perf_counter()
-            r = fn(*a, **k)
-            sync()
-            out.append(time.perf_counter() - t)
+            dt, r = timed(lambda: fn(*a, **k), device)
+            out.append(dt)
             return r
         return wrapper
     if hasattr(trainer, "_generate_and_score_completions"):
-        trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, gen_s)
+        trainer._generate_and_score_completions = recording_seconds(trainer._generate_and_score_completions, gen_s)
     vg = getattr(trainer, "vllm_generation", None)
     if vg is not None and hasattr(vg, "sync_weights"):
-        vg.sync_weights = timed(vg.sync_weights, sync_s)
+        vg.sync_weights = recording_seconds(vg.sync_weights, sync_s)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -228,8 +176,7 @@ def trl_worker():
                    sync_s=[round(x, 4) for x in sync_s], logs=timer.logs)
         if cuda:
             res["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        with open(args.trl_worker + ".tmp", "w") as f:
-            json.dump(res, f, indent=1)
+        dump(res, args.trl_worker + ".tmp")
         os.replace(args.trl_worker + ".tmp", args.trl_worker)
     trainer.train()
     res["train_s"] = round(time.perf_counter() - t0, 2)
@@ -244,7 +191,7 @@ if args.trl_worker:
 # =============================================================================
 # the driver
 
-OUT = args.out or os.path.join(os.environ.get("OUT") or ".", "step.json" if os.environ.get("OUT") else "bench_step.json")
+OUT = out_path(args.out, "step")
 RES = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "sides": {}, "errors": {}}
 T_START = time.time()
 
@@ -256,17 +203,13 @@ def side_timeout():
 os.makedirs(args.work, exist_ok=True)
 
 
-def dump():
-    os.makedirs(os.path.dirname(os.path.abspath(OUT)), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(RES, f, indent=1, default=str)
+def save():
+    dump(RES, OUT)
 
 
 def run(cmd, log_path, env=None, timeout=None):
     """Run a child (its own process group), output to log_path and to our stdout (prefixed); on timeout its
     group is killed. -> (rc, seconds, last lines)"""
-    import signal
-    import threading
     print(f"$ {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     tail = []
@@ -296,24 +239,15 @@ def run(cmd, log_path, env=None, timeout=None):
 
 def prepare():
     """The model directory and the prompt parquet, made once per WORK directory."""
-    import model as M
-    import data
     if not os.path.isfile(os.path.join(MODEL, "config.json")):
         if args.tiny:
-            import torch
-            from demo.warmstart import write_tokenizer
-            cfg = M.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                rope_theta=1e6, max_position_embeddings=4096)
-            m = M.Transformer(cfg).init_weights(seed=0)
-            M.save_pretrained(m.to(torch.bfloat16), MODEL)
-            write_tokenizer(MODEL)
-        else:
+            write_random_model(MODEL, model_config(args.shape, tiny=True), "cpu")
+        else:  # a child process: the GPU is the trainers' alone
             rc, dt, tail = run([sys.executable, "bench/make_random_model.py", args.work, "--shape", args.shape],
                                os.path.join(args.work, "make_model.log"), timeout=side_timeout())
             if rc != 0:
                 raise RuntimeError("make_random_model failed:\n" + "\n".join(tail))
-    tok = M.Tokenizer.from_pretrained(MODEL)
+    tok = data.Tokenizer.from_pretrained(MODEL)
     overhead = len(tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True))
     rng = random.Random(0)
     rows = []
@@ -330,6 +264,8 @@ def prepare():
 
 
 def nanodapo_side(name, engine):
+    """train_dapo.py on a config written here: DAPO's clip-higher and token-mean, no KL, filter_groups off (one
+    generation round per step, as TRL); phase times from its metrics.jsonl."""
     out_dir = os.path.join(args.work, f"{name}_out")
     cfg_path = os.path.join(args.work, f"{name}.py")
     P, G = args.prompts, args.n
@@ -339,7 +275,7 @@ def nanodapo_side(name, engine):
                log_prob_micro_batch_size_per_gpu=args.micro_batch, ppo_epochs=1,
                clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean", entropy_coeff=0.0,
                use_kl_loss=False, use_kl_in_reward=False, filter_groups=False, overlong_buffer=False,
-               reward_fn=os.path.join(HERE, "hash_reward.py") + ":compute_score", reward_num_workers=2,
+               reward_fn=os.path.join(ROOT, "bench", "hash_reward.py") + ":compute_score", reward_num_workers=2,
                lr=args.lr, lr_warmup_steps=0, weight_decay=0.0, grad_clip=1.0, gradient_checkpointing=True,
                temperature=1.0, top_p=1.0, top_k=-1, max_num_seqs=P * G, rollout_engine=engine,
                total_training_steps=args.steps, save_freq=-1, test_freq=0, val_before_train=False,
@@ -352,7 +288,7 @@ def nanodapo_side(name, engine):
     if os.path.isfile(metrics):
         os.remove(metrics)
     cmd = [sys.executable, "train_dapo.py", cfg_path] + args.nanodapo_args.split()
-    rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=VLLM_ENV, timeout=side_timeout())
+    rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=CHILD_ENV, timeout=side_timeout())
     side = {"impl": "nanodapo", "engine": engine, "rc": rc, "process_wall_s": round(wall, 1), "config": cfg}
     rows = [json.loads(line) for line in open(metrics)] if os.path.isfile(metrics) else []
     rows = [r for r in rows if "timing/step" in r]
@@ -373,13 +309,13 @@ def trl_side(name, use_vllm, dtype):
     result = os.path.join(args.work, f"{name}_result.json")
     if os.path.isfile(result):
         os.remove(result)
-    cmd = [sys.executable, os.path.join(HERE, "step.py"), "--trl-worker", result, "--use-vllm", str(int(use_vllm)),
+    cmd = [sys.executable, __file__, "--trl-worker", result, "--use-vllm", str(int(use_vllm)),
            "--work", args.work, "--prompts", str(args.prompts), "--n", str(args.n), "--prompt-len", str(args.prompt_len),
            "--response-len", str(args.response_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
            "--lr", str(args.lr), "--trl-vllm-gpu-mem", str(args.trl_vllm_gpu_mem), "--trl-dtype", dtype]
     if args.tiny:
         cmd.append("--tiny")
-    rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=VLLM_ENV, timeout=side_timeout())
+    rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=CHILD_ENV, timeout=side_timeout())
     side = {"impl": "trl", "engine": ("vllm colocate" if use_vllm else "transformers generate") + f", {dtype}", "rc": rc,
             "process_wall_s": round(wall, 1)}
     if rc != 0 or not os.path.isfile(result):
@@ -403,18 +339,13 @@ def trl_side(name, use_vllm, dtype):
     return side
 
 
-have_vllm = False
-try:
-    import importlib.util
-    have_vllm = importlib.util.find_spec("vllm") is not None
-except Exception:
-    pass
+have_vllm = importlib.util.find_spec("vllm") is not None
 sides = [s for s in args.sides.split(",") if s]
 unknown = set(sides) - {"nanodapo_torch", "nanodapo_vllm", "trl", "trl_bf16", "trl_vllm"}
 if unknown:
     sys.exit(f"unknown sides {sorted(unknown)}")
 prepare()
-dump()
+save()
 for s in sides:
     if s.endswith("vllm") and not have_vllm:
         RES["sides"][s] = {"skipped": "vllm not importable"}
@@ -426,10 +357,9 @@ for s in sides:
         else:
             RES["sides"][s] = trl_side(s, s.endswith("vllm"), "bfloat16" if s == "trl_bf16" else args.trl_dtype)
     except Exception as e:
-        import traceback
         traceback.print_exc()
         RES["errors"][s] = repr(e)
-    dump()
+    save()
 for path in args.merge:
     try:
         for k, v in json.load(open(path))["sides"].items():
@@ -469,5 +399,5 @@ for trl_name, nano_name in (("trl", "nanodapo_torch"), ("trl_bf16", "nanodapo_to
     if a.get("step") and b.get("step"):
         heads.append(f"{trl_name} / {nano_name} = {a['step'] / b['step']:.2f}x")
         RES.setdefault("headline", {})[f"{trl_name}_over_{nano_name}"] = round(a["step"] / b["step"], 3)
-dump()
+save()
 print("HEADLINE step time, TRL / nanodapo: " + ("; ".join(heads) if heads else "not available (see errors)"))

@@ -1,56 +1,13 @@
 """
-Actor-update throughput: nanodapo's packed update against transformers on the same sequences, on a
-random-init Qwen2.5-1.5B-shaped model, with MFU against a bf16 matmul rate measured in the same run.
+Actor-update tokens/s and MFU: train_dapo.update_policy, the bare packed model and transformers, on the same
+sequences and weights of a random-init Qwen2.5-1.5B-shaped model; MFU against a bf16 matmul measured in the run.
 
-    PYTHONUNBUFFERED=1 python3 bench/train.py --out $OUT/train.json                      # 1xH200, ~4 min
-    PYTHONUNBUFFERED=1 python3 bench/train.py --max-response 4096 --out $OUT/train4k.json  # longer tail
-    python3 bench/train.py --tiny --out /tmp/train_tiny.json                             # CPU smoke test, ~1 min
-
-Workload (the same token ids for every row): N sequences of a 256-token prompt + a response whose length
-is lognormal (median --resp-median 768, sigma --resp-sigma 0.9) clipped to [32, --max-response 2048],
-drawn until they hold --step-tokens (98,304) tokens; random token ids. One optimizer step = all of them:
-micro-batches of at most --token-budget (16,384) tokens from data.balanced_micro_batches (the trainer's
-use_dynamic_bsz split), forward + backward of each, then one AdamW step (lr 1e-6, weight decay 0.1).
-Gradient checkpointing per decoder block everywhere. A step is timed with torch.cuda.synchronize() and a
-host clock (the trainer's update has host syncs of its own); --warmup (2) untimed steps, then the median
-of --repeats (4) timed steps.
-
-Rows:
-  nanodapo update_policy  train_dapo.update_policy as the trainer calls it on one GPU: fp32 master weights,
-                          bf16 autocast, packed forward (varlen attention) with target_ids: chunked fp32
-                          log-probs AND entropy (the trainer always computes it), clip-higher token-mean
-                          policy loss, grad-norm clipping (one host sync per parameter), AdamW.  [headline]
-  nanodapo bare           the model alone: packed forward with target_ids (chunked log-probs, no entropy),
-                          loss = token-mean of -logp over response tokens, backward, AdamW.
-  transformers            AutoModelForCausalLM from the same config and weights, sdpa attention,
-                          gradient_checkpointing_enable(use_reentrant=False), each micro-batch right-padded
-                          to its longest sequence with an attention mask, labels = response tokens (-100
-                          elsewhere), loss = out.loss weighted to a token-mean over the step, backward, AdamW.
-  nanodapo update compiled  (--rows update_compiled) the update_policy row with each decoder block torch.compile'd
-                          (parallel.apply_compile, what compile=True does in sharded runs): fuses the element-wise
-                          work around the matmuls.
-  "autocast" = fp32 weights + torch.autocast(bf16) (what the trainer and HF Trainer(bf16=True) do);
-  "bf16" = bf16 weights, gradients and AdamW states (the ceiling without casts; not what the trainer runs).
-
-tokens/s counts real tokens (prompt + response; padding excluded) over the median step time.
-FLOPs per step (model FLOPs, the same formula for every row, on real tokens):
-  6 * (N_blocks + V*H) * tokens + 6 * L * n_heads * head_dim * sum_i n_i^2
-  N_blocks = parameters of the decoder blocks + final norm (non-embedding); V*H = the output head, a matmul
-  of every token even though it is tied to the input embedding (the input lookup is free); the last term is
-  causal attention (QK^T and AV, 2 * 2 * n^2 * d per head forward, halved by the causal mask, x3 for
-  forward+backward). MFU = FLOPs / step time / peak, peak = median rate of a bf16 8192^3 torch.matmul
-  (random data, CUDA events) measured at the start of this run. Also given: MFU over non-embedding
-  parameters only (6 * N_blocks, the brief's strict formula) and, for nanodapo rows, HFU = hardware FLOPs
-  counting what checkpointing recomputes: one more forward of every block (2 * N_blocks * tokens + the
-  forward attention term) and of the output head (the chunked log-prob is checkpointed too: 2 * V*H * tokens).
-Before timing, transformers and nanodapo are checked to compute the same per-token log-probs on the same
-weights (fp32, a few short sequences): the relative difference is printed.
-Headline (last line): nanodapo update_policy tokens/s over transformers (autocast) tokens/s, and the MFU
-of each. Writes every number to --out (JSON; default $OUT/train.json, or ./bench_train.json without $OUT).
+    python bench/train.py --rows update,bare,hf --out train.json
 """
 import argparse
+import contextlib
 import copy
-import json
+import gc
 import math
 import os
 import random
@@ -61,16 +18,18 @@ import traceback
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/
 
-import torch
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import data
-import model as M
-import parallel
-import train_dapo as T
+import data  # noqa: E402
+import model as M  # noqa: E402
+import parallel  # noqa: E402
+import train_dapo as T  # noqa: E402
+from bench.common import dump, matmul_peak, model_config, out_path, random_model, sync, timed  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
-p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+p.add_argument("--device", default=None, help="cuda | cpu (default: the accelerator when available)")
 p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(M.KNOWN_CONFIGS))
 p.add_argument("--prompt-len", type=int, default=256)
 p.add_argument("--max-response", type=int, default=2048)
@@ -95,24 +54,16 @@ if args.tiny:
     args.prompt_len, args.max_response, args.resp_median = 16, 64, 24.0
     args.step_tokens, args.token_budget, args.logprob_chunk = 1024, 256, 64
     args.warmup, args.repeats, args.peak_n = 1, 2, 512
-device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+device = parallel.get_device(args.device or "auto")
 cuda = device.type == "cuda"
 if cuda:
     torch.cuda.set_device(device.index or 0)
-OUT = args.out or os.path.join(os.environ.get("OUT") or ".", "train.json" if os.environ.get("OUT") else
-                               "bench_train.json")
+OUT = out_path(args.out, "train")
 RES = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "rows": {}, "errors": {}}
 
 
-def dump():
-    os.makedirs(os.path.dirname(os.path.abspath(OUT)), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(RES, f, indent=1, default=str)
-
-
-def sync():
-    if cuda:
-        torch.cuda.synchronize()
+def save():
+    dump(RES, OUT)
 
 
 # -----------------------------------------------------------------------------
@@ -123,48 +74,20 @@ try:
     import transformers
     RES["versions"]["transformers"] = transformers.__version__
 except ImportError:
-    transformers = None
+    pass
 RES["device"] = torch.cuda.get_device_name() if cuda else "cpu"
 print(f"versions {RES['versions']}, device {RES['device']}")
 
 
-def measure_peak(n: int, reps: int = 20) -> float:
-    """Median FLOP/s of a bf16 n^3 matmul on random data (CUDA events on GPU, host clock on CPU)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(5):
-        torch.matmul(a, b, out=c)
-    sync()
-    times = []
-    for _ in range(reps if cuda else 3):
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            torch.matmul(a, b, out=c)
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1) / 1e3)
-        else:
-            t = time.perf_counter()
-            torch.matmul(a, b, out=c)
-            times.append(time.perf_counter() - t)
-    assert torch.isfinite(c).all()
-    return 2 * n ** 3 / statistics.median(times)
-
-
-PEAK = measure_peak(args.peak_n)
+PEAK = matmul_peak(device, args.peak_n, reps=20 if cuda else 3)
 RES["peak_bf16_matmul_TFLOPs"] = round(PEAK / 1e12, 2)
 print(f"bf16 matmul {args.peak_n}^3: {PEAK / 1e12:.1f} TFLOP/s (median)")
 
 # -----------------------------------------------------------------------------
-# the model config and the workload
+# the workload: prompts + lognormal responses of random tokens until --step-tokens; one optimizer step = all of
+# them, in the trainer's use_dynamic_bsz micro-batches, gradient checkpointing on; median of --repeats steps
 
-if args.tiny:
-    cfg = M.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)
-else:
-    cfg = M.ModelConfig.from_hf(M.KNOWN_CONFIGS[args.shape])
+cfg = model_config(args.shape, args.tiny)
 rng = random.Random(args.seed)
 resp_lens = []
 while sum(args.prompt_len + r for r in resp_lens) < args.step_tokens:
@@ -184,7 +107,9 @@ RES["workload"] = {"sequences": len(seq_lens), "tokens": NTOK, "response_tokens"
                    "response_len_max": R, "clipped_at_max": sum(r == args.max_response for r in resp_lens)}
 print(f"workload: {RES['workload']}")
 
-# FLOPs (see the docstring)
+# model FLOPs, one formula for every row, on real tokens: 6 * (N_blocks + V*H) * tokens for the non-embedding
+# parameters and the output head (a matmul even when tied), plus causal attention, 6 * L * heads * head_dim *
+# sum(n_i^2); MFU_nonemb leaves the head out; HFU adds what checkpointing recomputes (blocks, head, attention)
 H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
 HEAD = V * H
 N_BLOCKS = cfg.num_params() - V * H * (1 if cfg.tie_word_embeddings else 2)  # decoder blocks + final norm
@@ -194,9 +119,9 @@ FLOPS_NONEMB = 6 * N_BLOCKS * NTOK + 3 * ATTN_FWD
 FLOPS_HW_NANO = FLOPS_MODEL + 2 * N_BLOCKS * NTOK + ATTN_FWD + 2 * HEAD * NTOK  # + recompute (blocks, head)
 RES["flops"] = {"N_blocks": N_BLOCKS, "head_VH": HEAD, "model_per_step": FLOPS_MODEL,
                 "nonemb_per_step": FLOPS_NONEMB, "hardware_nanodapo_per_step": FLOPS_HW_NANO,
-                "formula": "6*(N_blocks + V*H)*tokens + 6*L*heads*head_dim*sum(n_i^2)/2*... see docstring"}
+                "formula": "6*(N_blocks + V*H)*tokens + 6*L*heads*head_dim*sum(n_i^2)"}
 print(f"params: blocks {N_BLOCKS / 1e9:.3f} B + head {HEAD / 1e9:.3f} B; model FLOPs/step {FLOPS_MODEL / 1e12:.1f} T")
-dump()
+save()
 
 
 def build_traj():
@@ -276,14 +201,9 @@ def kernel_kind(name: str) -> str:
 def profile_step(step_fn) -> dict:
     """One step under torch.profiler: the wall time, the summed kernel time by kind (GPU: device kernels;
     CPU: operators' self time) and the top 12 kernels. Kernel time below wall time = the GPU waited on the host."""
-    from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync()
     with profile(activities=acts) as prof:
-        t = time.perf_counter()
-        step_fn()
-        sync()
-        wall = time.perf_counter() - t
+        wall, _ = timed(step_fn, device)
     if cuda:
         evts = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         us = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in evts]
@@ -314,16 +234,13 @@ def time_steps(name, step_fn, model_params, extra=None):
     try:
         for _ in range(args.warmup):
             step_fn()
-        sync()
+        sync(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(args.repeats):
-            sync()
-            t = time.perf_counter()
-            loss = step_fn()
-            sync()
-            times.append(time.perf_counter() - t)
+            dt, loss = timed(step_fn, device)
+            times.append(dt)
         dt = statistics.median(times)
         row.update(step_s=[round(x, 4) for x in times], median_step_s=round(dt, 4), tokens_per_s=round(NTOK / dt, 1),
                    MFU=round(FLOPS_MODEL / dt / PEAK, 4), MFU_nonemb=round(FLOPS_NONEMB / dt / PEAK, 4),
@@ -340,12 +257,11 @@ def time_steps(name, step_fn, model_params, extra=None):
         RES["errors"][name] = repr(e)[:2000]
         row["error"] = repr(e)[:500]
     RES["rows"][name] = row
-    dump()
+    save()
     return row
 
 
 def free():
-    import gc
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -356,9 +272,7 @@ def free():
 
 ctx_auto = parallel.autocast(device, torch.bfloat16)  # a null context on the CPU (the trainer runs fp32 there)
 t0 = time.perf_counter()
-with torch.device(device):
-    nano = M.Transformer(cfg)
-nano.init_weights(seed=args.seed)
+nano = random_model(cfg, device, seed=args.seed)
 nano.gradient_checkpointing = True
 RES["build_s"] = round(time.perf_counter() - t0, 1)
 print(f"nanodapo model: {sum(q.numel() for q in nano.parameters()) / 1e9:.3f} B params fp32 in {RES['build_s']} s")
@@ -395,7 +309,7 @@ def update_row(name, precision):
     last = {}
 
     def update_step():
-        last.update(T.update_policy(nano, opt, sched, traj, tcfg, ctx_auto, dims))
+        last.update(T.update_policy(nano, opt, sched, traj, tcfg, ctx_auto, dims, on_policy=True))  # fresh data
         return last.get("actor/pg_loss", float("nan"))
     r = time_steps(name, update_step, list(nano.parameters()),
                    {"impl": "nanodapo", "loop": "train_dapo.update_policy", "precision": precision})
@@ -424,7 +338,6 @@ if "bare_bf16" in rows:
     nb = copy.deepcopy(nano).to(torch.bfloat16)
     nb.gradient_checkpointing = True
     opt = torch.optim.AdamW(nb.parameters(), lr=1e-6, weight_decay=0.1)
-    import contextlib
     r = time_steps("nanodapo bare bf16", bare_step_fn(nb, opt, nano_packed(), contextlib.nullcontext()),
                    list(nb.parameters()), {"impl": "nanodapo", "loop": "bare", "precision": "pure bf16"})
     r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
@@ -524,7 +437,6 @@ if any(r in rows for r in ("hf", "hf_bf16")):
         if "hf_bf16" in rows:
             hf = hf.to(torch.bfloat16)
             opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, weight_decay=0.1)
-            import contextlib
             time_steps("transformers bf16", hf_step_fn(hf, opt, batches, contextlib.nullcontext()),
                        list(hf.parameters()), {"impl": "transformers", "loop": "padded", "precision": "pure bf16",
                                                "attn": "sdpa", **pad_info})
@@ -556,10 +468,10 @@ a, b = RES["rows"].get("nanodapo update_policy", {}), RES["rows"].get("transform
 if "tokens_per_s" in a and "tokens_per_s" in b:
     RES["headline"] = {"update_over_transformers": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
                        "nanodapo_MFU": a["MFU"], "transformers_MFU": b["MFU"]}
-    dump()
+    save()
     print(f"HEADLINE nanodapo update_policy / transformers (both fp32+bf16 autocast) = "
           f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s; MFU nanodapo {a['MFU']:.3f}, transformers "
           f"{b['MFU']:.3f} (goal >= 0.5)")
 else:
-    dump()
+    save()
     print("HEADLINE not available (a row failed; see errors)")

@@ -1,9 +1,6 @@
-# Multi-GPU training run on a random Qwen2.5-1.5B-shaped model (issue: parallel.py on 2xH200):
-#   python bench/make_random_model.py /tmp/q15
-#   torchrun --nproc-per-node 1 train_dapo.py bench/train_1.5b.py --out_dir=/tmp/r1
-#   torchrun --nproc-per-node 2 train_dapo.py bench/train_1.5b.py --out_dir=/tmp/r2             # FSDP2 x 2
-#   torchrun --nproc-per-node 2 train_dapo.py bench/train_1.5b.py -- --tp_size=2 --out_dir=/tmp/r3  # TP 2
-# A random model samples EOS almost never, so every response runs to max_response_length.
+# A training run on a random Qwen2.5-1.5B-shaped model (bench/make_random_model.py /tmp/q15 writes it); every
+# response runs to max_response_length (a random model rarely samples EOS):
+#   torchrun --nproc-per-node 2 train_dapo.py bench/train_1.5b.py --out_dir=/tmp/r2
 model_path = "/tmp/q15/model"
 train_files = ["/tmp/q15/train.parquet"]
 val_files = []

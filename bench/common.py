@@ -1,0 +1,100 @@
+"""What the bench/ scripts share: results JSON, device timing, the vLLM environment, random-init models."""
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import model as M
+from demo.warmstart import write_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# vLLM in the trainer's process: no engine subprocess, no FlashInfer sampler, NVLink multicast off, offline
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+# 2 layers, 64 wide: the shape of every script's --tiny CPU run
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096)
+
+
+def dump(res: dict, path: str):
+    """Write the results so far (scripts call this after every stage: a killed run keeps what it measured)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+def out_path(arg: str | None, name: str) -> str:
+    """--out if given, else $OUT/{name}.json, else ./bench_{name}.json."""
+    if arg:
+        return arg
+    return os.path.join(os.environ["OUT"], f"{name}.json") if os.environ.get("OUT") else f"bench_{name}.json"
+
+
+def sync(device: torch.device):
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize()
+
+
+def timed(fn, device: torch.device):
+    """-> (seconds, fn()), the device idle at both ends."""
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
+def median_seconds(fn, device: torch.device, reps: int = 10) -> float:
+    """Median seconds of one call after one warm-up: device events on an accelerator, the host clock on the CPU."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cpu":
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        else:
+            events = torch.get_device_module(device.type).Event
+            a, b = events(enable_timing=True), events(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def matmul_peak(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """FLOP/s of a bf16 n^3 matmul on random data, median of reps: the MFU denominator, measured in the same run."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(4):
+        torch.matmul(a, b, out=c)
+    peak = 2 * n ** 3 / median_seconds(lambda: torch.matmul(a, b, out=c), device, reps)
+    assert torch.isfinite(c).all()
+    return peak
+
+
+def model_config(shape: str, tiny: bool = False) -> M.ModelConfig:
+    """A published shape from model.KNOWN_CONFIGS, or TINY for CPU runs."""
+    return M.ModelConfig(**TINY) if tiny else M.ModelConfig.from_hf(M.KNOWN_CONFIGS[shape])
+
+
+def random_model(cfg: M.ModelConfig, device, dtype=torch.float32, seed: int = 0) -> M.Transformer:
+    """Random weights drawn on the device (seconds on a GPU instead of a minute on the CPU), then cast."""
+    with torch.device(device):
+        m = M.Transformer(cfg)
+    return m.init_weights(seed=seed).to(dtype)
+
+
+def write_random_model(path: str, cfg: M.ModelConfig, device, seed: int = 0):
+    """An HF model directory: config.json, bf16 safetensors, the demo's byte-level tokenizer and chat template
+    (token ids < 259 of any vocabulary)."""
+    M.save_pretrained(random_model(cfg, device, torch.bfloat16, seed), path)
+    write_tokenizer(path)
