@@ -108,9 +108,10 @@ class ModelConfig:
         qwen2 = arch == "Qwen2ForCausalLM"
         moe = {}
         if arch == "Qwen3MoeForCausalLM":  # defaults: transformers' Qwen3MoeConfig
-            moe = dict(num_experts=d["num_experts"] if "num_experts" in d else d["num_local_experts"],
+            moe = dict(num_experts=d["num_local_experts"] if "num_local_experts" in d else d["num_experts"],
                        num_experts_per_tok=d["num_experts_per_tok"], moe_intermediate_size=d["moe_intermediate_size"],
-                       norm_topk_prob=d.get("norm_topk_prob", False), decoder_sparse_step=d.get("decoder_sparse_step", 1),
+                       norm_topk_prob=d.get("norm_topk_prob", False),
+                       decoder_sparse_step=d.get("decoder_sparse_step", 1),
                        mlp_only_layers=list(d.get("mlp_only_layers") or []),
                        router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001))
         return cls(
@@ -520,7 +521,8 @@ class Experts(nn.Module):
         dtype = _grouped_mm_dtype(x)
         if dtype is not None:  # one grouped GEMM per projection, no host sync
             offs = ends.to(torch.int32)
-            gate, up = torch._grouped_mm(x.to(dtype), self.gate_up_proj.to(dtype).transpose(1, 2), offs=offs).chunk(2, -1)
+            h = torch._grouped_mm(x.to(dtype), self.gate_up_proj.to(dtype).transpose(1, 2), offs=offs)
+            gate, up = h.chunk(2, -1)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(1, 2), offs=offs)
         counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         out = []
@@ -561,8 +563,7 @@ class MoE(nn.Module):
 def router_load(probs, experts) -> torch.Tensor:
     """One MoE layer's router statistics over its tokens, fp32 [2, E]: row 0 = how many tokens picked each expert
     among their top-k (experts [N, k]), row 1 = the sum of the router probabilities (probs [N, E]) per expert."""
-    picks = torch.zeros_like(probs[0]).index_add_(0, experts.flatten(), torch.ones_like(experts.flatten(),
-                                                                                          dtype=probs.dtype))
+    picks = torch.zeros_like(probs[0]).index_add_(0, experts.flatten(), probs.new_ones(experts.numel()))
     return torch.stack([picks, probs.sum(0)])
 
 
@@ -583,7 +584,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if moe else MLP(cfg)
 
-    # the caller picks the layer's cache: no layer index inside, so every block is the same compiled graph
+    # the caller picks the layer's cache: no layer index inside, so all blocks of a kind share one compiled graph
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None, router_loads=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         h = self.post_attention_layernorm(x)
@@ -727,8 +728,8 @@ _EXPERT_PROJ = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_pr
 
 def hf_slices(name: str, shape) -> list[tuple[str, tuple]]:
     """A parameter (name, shape) -> its HF tensors as (HF name, index into the parameter). An expert stack
-    model.layers.N.mlp.experts.gate_up_proj [E, 2I, H] -> for each expert e, model.layers.N.mlp.experts.e.gate_proj.weight
-    at [e, :I] and ...e.up_proj.weight at [e, I:]; ...experts.down_proj [E, H, I] -> ...experts.e.down_proj.weight at
+    model.layers.N.mlp.experts.gate_up_proj [E, 2I, H] -> for each expert e, ...experts.e.gate_proj.weight at [e, :I]
+    and ...experts.e.up_proj.weight at [e, I:]; ...experts.down_proj [E, H, I] -> ...experts.e.down_proj.weight at
     [e, :H]. Any other name, HF names included, maps to itself at index ()."""
     layer, _, proj = name.rpartition(".experts.")
     if proj not in _EXPERT_PROJ:
@@ -744,6 +745,29 @@ def hf_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]
     return [(hf, tensor[ix] if ix else tensor) for hf, ix in hf_slices(name, tensor.shape)]
 
 
+def hf_targets(model: nn.Module) -> dict:
+    """The inverse of hf_tensors: HF name -> (parameter, index) where that HF tensor goes (see copy_hf_tensor)."""
+    return {hf: (p, ix) for name, p in model.named_parameters() for hf, ix in hf_slices(name, p.shape)}
+
+
+def copy_hf_tensor(p: torch.Tensor, ix: tuple, t: torch.Tensor):
+    """p[ix] = t (under no_grad); p may be a DTensor: each rank holds the full t and keeps the part in its shard."""
+    if not isinstance(p, DTensor):
+        (p[ix] if ix else p).copy_(t)
+    elif not ix:
+        p.to_local().copy_(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                             src_data_rank=None).to_local())
+    else:  # a slice of a sharded expert stack: intersect its box with this rank's box, dim by dim
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        box = [slice(i, i + 1) if isinstance(i, int) else i for i in ix] + [slice(0, n) for n in p.shape[len(ix):]]
+        src, dst = [], []
+        for s, o, n in zip(box, offset, shape):
+            lo, hi = max(s.start, o), min(s.stop, o + n)
+            if lo >= hi:
+                return  # not on this rank
+            src.append(slice(lo - s.start, hi - s.start))
+            dst.append(slice(lo - o, hi - o))
+        p.to_local()[tuple(dst)].copy_(t.reshape([s.stop - s.start for s in box])[tuple(src)])
 
 def _read_json(path):
     try:
@@ -831,35 +855,15 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
-    targets = {hf: (p, ix) for name, p in model.named_parameters() for hf, ix in hf_slices(name, p.shape)}
+    targets = hf_targets(model)
     for f in safetensors_files(path):
         with _open_safetensors(f) as sf:
             for name in sf.keys():
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 with torch.no_grad():
-                    _copy_into(*targets[name], sf.get_tensor(name))
+                    copy_hf_tensor(*targets[name], sf.get_tensor(name))
     return model
-
-
-def _copy_into(p: torch.Tensor, ix: tuple, t: torch.Tensor):
-    """p[ix] = t, where p may be a DTensor: every rank read the full t and keeps the part inside its shard."""
-    if not isinstance(p, DTensor):
-        (p[ix] if ix else p).copy_(t)
-    elif not ix:
-        p.to_local().copy_(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                             src_data_rank=None).to_local())
-    else:  # a slice of a sharded expert stack: intersect its box with this rank's box, dim by dim
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        box = [slice(i, i + 1) if isinstance(i, int) else i for i in ix] + [slice(0, n) for n in p.shape[len(ix):]]
-        src, dst = [], []
-        for s, o, n in zip(box, offset, shape):
-            lo, hi = max(s.start, o), min(s.stop, o + n)
-            if lo >= hi:
-                return  # not on this rank
-            src.append(slice(lo - s.start, hi - s.start))
-            dst.append(slice(lo - o, hi - o))
-        p.to_local()[tuple(dst)].copy_(t.reshape([s.stop - s.start for s in box])[tuple(src)])
 
 
 def _save_shard(tensors: list, file: str):
