@@ -1,7 +1,9 @@
 """What the bench/ scripts share: results JSON, device timing, the vLLM environment, random-init models."""
+import importlib.metadata
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +35,16 @@ def out_path(arg: str | None, name: str) -> str:
     if arg:
         return arg
     return os.path.join(os.environ["OUT"], f"{name}.json") if os.environ.get("OUT") else f"bench_{name}.json"
+
+
+def versions() -> dict:
+    """Python, torch and (where installed) transformers versions, for the results JSON."""
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}
+    try:
+        out["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return out
 
 
 def sync(device: torch.device):

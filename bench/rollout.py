@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 
-sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root: bench/rollout.py is not rollout.py
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root (rollout.py, not this)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import rollout as R  # noqa: E402
-from bench.common import VLLM_ENV, dump, median_seconds, model_config, random_model, timed  # noqa: E402
+from bench.common import VLLM_ENV, dump, median_seconds, model_config, random_model, timed, versions  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model, small sizes: a CPU smoke test of this script")
@@ -64,12 +64,7 @@ def repeats(T):
 # -----------------------------------------------------------------------------
 # environment and model
 
-RES["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__}
-try:
-    import transformers
-    RES["versions"]["transformers"] = transformers.__version__
-except ImportError:
-    pass
+RES["versions"] = versions()
 if cuda:
     RES["gpu"] = torch.cuda.get_device_name()
     try:

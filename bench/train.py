@@ -25,7 +25,7 @@ import data  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import train_dapo as T  # noqa: E402
-from bench.common import dump, matmul_peak, model_config, out_path, random_model, sync, timed  # noqa: E402
+from bench.common import dump, matmul_peak, model_config, out_path, random_model, sync, timed, versions  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
@@ -69,12 +69,7 @@ def save():
 # -----------------------------------------------------------------------------
 # environment and the measured bf16 matmul peak
 
-RES["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__}
-try:
-    import transformers
-    RES["versions"]["transformers"] = transformers.__version__
-except ImportError:
-    pass
+RES["versions"] = versions()
 RES["device"] = torch.cuda.get_device_name() if cuda else "cpu"
 print(f"versions {RES['versions']}, device {RES['device']}")
 
