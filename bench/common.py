@@ -107,6 +107,6 @@ def random_model(cfg: M.ModelConfig, device, dtype=torch.float32, seed: int = 0)
 
 def write_random_model(path: str, cfg: M.ModelConfig, device, seed: int = 0):
     """An HF model directory: config.json, bf16 safetensors, the demo's byte-level tokenizer and chat template
-    (token ids < 259 of any vocabulary)."""
+    (a few hundred ids, inside any real model's vocabulary and TINY's)."""
     M.save_pretrained(random_model(cfg, device, torch.bfloat16, seed), path)
     write_tokenizer(path)
