@@ -43,7 +43,7 @@ p.add_argument("--steps", type=int, default=4)
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--timeout", type=int, default=480, help="seconds per side at most")
 p.add_argument("--budget", type=int, default=570,
-               help="seconds for the whole script (a device call is cut at 600 s): a side gets what is left")
+               help="seconds for the whole script: a side gets what is left")
 p.add_argument("--nanodapo-args", default="", help="extra --key=value overrides for train_dapo.py, space-separated")
 p.add_argument("--trl-vllm-gpu-mem", type=float, default=0.3, help="TRL vllm_gpu_memory_utilization (TRL's default)")
 p.add_argument("--trl-dtype", default="float32", help="TRL model dtype (float32 = fp32 master + bf16 autocast)")
