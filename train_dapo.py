@@ -47,8 +47,8 @@ import parallel
 import plan
 import reward
 from data import Tokenizer
-from model import (KNOWN_CONFIGS, ModelConfig, check_weights, from_pretrained, load_config, pack_sequences,
-                   save_pretrained)
+from model import (KNOWN_CONFIGS, ModelConfig, check_weights, from_pretrained, load_balancing_loss, load_config,
+                   pack_sequences, save_pretrained)
 from rollout import SamplingParams, TorchEngine, VLLMEngine, engine_results, engine_share, resolve_engine
 
 # -----------------------------------------------------------------------------
@@ -88,6 +88,7 @@ class Config:
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     norm_adv_by_std: bool = True  # GRPO: divide by group std; False = Dr.GRPO
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
+    router_aux_loss: bool = False  # MoE: add the router's load-balancing loss x router_aux_loss_coef (config.json)
     # KL (a reference model is built only when one of these is on)
     use_kl_loss: bool = False  # add kl_loss_coef * KL(policy || ref) to the loss (GRPO)
     kl_loss_coef: float = 0.001
@@ -491,14 +492,15 @@ def rank_share(idx: list[int], dims) -> list[int]:
     return idx[dims.dp_rank * per:(dims.dp_rank + 1) * per]
 
 
-def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, with_entropy: bool):
-    """Packed forward of prompt+response for trajectories idx -> (logp, entropy) [len(idx), R] on response tokens."""
+def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, with_entropy: bool, router_loads=None):
+    """Packed forward of prompt+response for trajectories idx -> (logp, entropy) [len(idx), R] on response tokens.
+    router_loads: a list that MoE layers append their routing statistics to (for the load-balancing loss)."""
     seqs = [traj.prompt_ids[i] + traj.response_ids[i] for i in idx]
     device = model.output_weight.device
     ids, pos, batch = pack_sequences([s[:-1] for s in seqs], device)
     targets = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
     logp, ent = model(ids, pos, batch, target_ids=targets, temperature=cfg.temperature,
-                      with_entropy=with_entropy, logprob_chunk=cfg.logprob_chunk)
+                      with_entropy=with_entropy, logprob_chunk=cfg.logprob_chunk, router_loads=router_loads)
     # response token j of sequence i is target (len(prompt) - 1 + j) of its packed document
     R = traj.response_mask.shape[1]
     starts = batch.cu_seqlens[:-1].long() + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device)
@@ -545,6 +547,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
     budget = cfg.ppo_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
     device = model.output_weight.device
     n_minibatches = cfg.ppo_epochs * math.ceil(len(traj) / mb_size)
+    router_aux = cfg.router_aux_loss and model.config.num_experts > 0
     sums, grad_norms, skipped = {}, [], 0  # sums: this rank's share of each metric, 0-dim tensors on device
     model.train()
     for _ in range(cfg.ppo_epochs):
@@ -556,9 +559,10 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
             finite = torch.ones((), dtype=torch.bool, device=device)
             for mb in micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims):
                 mask = traj.response_mask[mb].to(device)
-                share = float(traj.response_mask[mb].sum()) / tokens / n_minibatches  # weight of per-token metrics
+                mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
+                router_loads = [] if router_aux else None
                 with ctx:
-                    logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=True)
+                    logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=True, router_loads=router_loads)
                 logp, ent = logp.float(), ent.float()
                 rollout_logp = traj.rollout_logp[mb].to(device)
                 old_logp = logp.detach() if on_policy else traj.old_logp[mb].to(device)
@@ -575,12 +579,16 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                     kl = agg_loss(kl_penalty(logp, traj.ref_logp[mb].to(device), cfg.kl_loss_type), **agg)
                     loss = loss + cfg.kl_loss_coef * kl
                     terms["kl_loss"] = kl.detach()
+                if router_aux:  # a mean over this micro-batch's tokens: weighted by its share
+                    aux = load_balancing_loss(router_loads, model.config.num_experts_per_tok)
+                    loss = loss + model.config.router_aux_loss_coef * mb_share * aux
+                    m["router_aux_loss"] = aux.detach()
                 if on_policy:
                     m["logp_mismatch"] = logp_mismatch(old_logp, rollout_logp, mask)
                 loss.backward()
                 finite &= torch.isfinite(loss.detach())
                 for k, v in m.items():  # per-token means of this micro-batch, weighted by its share of tokens
-                    sums[k] = sums.get(k, 0.0) + v * share
+                    sums[k] = sums.get(k, 0.0) + v * mb_share / n_minibatches
                 for k, v in terms.items():  # already divided by the mini-batch's count: they add up
                     sums[k] = sums.get(k, 0.0) + v / n_minibatches
             grad_norm = parallel.clip_grad_norm_(list(model.parameters()), cfg.grad_clip)
@@ -1275,6 +1283,8 @@ def validate_model_dir(cfg: Config, world_size: int):
         tok.check_chat_template(cfg.chat_template_kwargs)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"model_path={cfg.model_path!r}: {e}") from None
+    if cfg.router_aux_loss and not model_cfg.num_experts:
+        raise ConfigError(f"router_aux_loss=True but {cfg.model_path} is not a mixture-of-experts model; remove it")
     context = cfg.max_prompt_length + cfg.max_response_length
     if context > model_cfg.max_position_embeddings:
         raise ConfigError(f"max_prompt_length + max_response_length = {context} exceeds the model's context, "

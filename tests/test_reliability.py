@@ -1,5 +1,7 @@
 """Bad inputs get one clear message before expensive work; crashes, preemption and corrupt checkpoints
 lose nothing (the resumed run reproduces the uninterrupted one's metrics exactly on CPU)."""
+import errno
+import importlib.util
 import json
 import os
 import shutil
@@ -11,8 +13,10 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from safetensors.torch import load_file, save_file
 
 import data
+import parallel
 import prepare_data
 import train_dapo as T
 from conftest import make_model_dir
@@ -96,6 +100,77 @@ def case_no_chat_template(td, tp):
     return {"model_path": str(tp / "m")}
 
 
+def model_copy(td, tp, edit_config=None, edit_tokenizer_config=None):
+    shutil.copytree(td / "model", tp / "m")
+    for name, edit in (("config.json", edit_config), ("tokenizer_config.json", edit_tokenizer_config)):
+        if edit:
+            f = tp / "m" / name
+            f.write_text(json.dumps(edit(json.loads(f.read_text()))))
+    return {"model_path": str(tp / "m")}
+
+
+def edit_weights(td, tp, edit):
+    over = model_copy(td, tp)
+    f = tp / "m" / "model.safetensors"
+    sd = load_file(f)
+    edit(sd)
+    save_file(sd, f, metadata={"format": "pt"})
+    return over
+
+
+def case_wrong_shape(td, tp):
+    return edit_weights(td, tp, lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"][:-1].clone()}))
+
+
+def case_missing_tensor(td, tp):
+    return edit_weights(td, tp, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
+
+
+def case_truncated_weights(td, tp):
+    over = model_copy(td, tp)
+    f = tp / "m" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    return over
+
+
+def case_corrupt_tokenizer(td, tp):
+    over = model_copy(td, tp)
+    (tp / "m" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    return over
+
+
+def case_no_stop_token(td, tp):
+    return model_copy(td, tp, edit_config=lambda c: {k: v for k, v in c.items() if k != "eos_token_id"},
+                      edit_tokenizer_config=lambda c: {**c, "eos_token": "<|not_in_vocab|>"})
+
+
+def case_template(source):
+    return lambda td, tp: model_copy(td, tp, edit_tokenizer_config=lambda c: {**c, "chat_template": source})
+
+
+def case_unknown_data_source(td, tp):
+    rows = arith()
+    rows[5]["data_source"] = "mystery_bench"
+    return {"train_files": [write_rows(tp / "d.parquet", rows)]}
+
+
+def case_dict_ground_truth(td, tp):
+    rows = arith()
+    for r in rows:  # one type per parquet column: every row a struct
+        r["reward_model"] = {"style": "rule", "ground_truth": {"answer": r["reward_model"]["ground_truth"]}}
+    return {"train_files": [write_rows(tp / "gt.parquet", rows)]}
+
+
+def case_reward_syntax_error(td, tp):
+    return {"reward_fn": reward_file(tp, "def score(data_source, solution_str, ground_truth, extra_info=None)\n"
+                                         "    return 1.0\n")}
+
+
+def case_reward_kills_worker(td, tp):
+    return {"reward_fn": reward_file(tp, "import os\ndef score(data_source, solution_str, ground_truth, "
+                                         "extra_info=None):\n    os._exit(7)\n"), "reward_num_workers": 1}
+
+
 def case_out_dir_not_writable(td, tp):
     (tp / "afile").write_text("x")
     return {"out_dir": str(tp / "afile" / "run")}
@@ -141,7 +216,40 @@ BAD_INPUTS = [
         tp, "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'good'\n")},
      "score.*'good'"),
     ("out dir", case_out_dir_not_writable, "out_dir=.*afile/run.* is not writable"),
-    ("resume path", lambda td, tp: {"resume": str(tp / "no_ckpt")}, "cannot resume from .*no_ckpt"),
+    ("resume path", lambda td, tp: {"resume": str(tp / "no_ckpt")}, "resume=.*no_ckpt.*path of a checkpoint"),
+    # knobs out of range: each named with what is allowed
+    ("grad clip zero", lambda td, tp: {"grad_clip": 0.0}, "grad_clip=0.0 must be > 0.*zero every update"),
+    ("grad clip negative", lambda td, tp: {"grad_clip": -1.0}, "grad_clip=-1.0 must be > 0.*flip"),
+    ("lr negative", lambda td, tp: {"lr": -1e-6}, "lr=-1e-06 must be >= 0"),
+    ("betas", lambda td, tp: {"betas": (0.9, 1.0)}, r"betas=\(0.9, 1.0\) must be two values in \[0, 1\)"),
+    ("weight decay", lambda td, tp: {"weight_decay": -0.1}, "weight_decay=-0.1 must be >= 0"),
+    ("seed", lambda td, tp: {"seed": -1}, "seed=-1 must be >= 0"),
+    ("logprob chunk", lambda td, tp: {"logprob_chunk": 0}, "logprob_chunk=0 must be > 0"),
+    ("val n", lambda td, tp: {"val_n": 0}, "val_n=0 must be > 0"),
+    ("steps", lambda td, tp: {"total_training_steps": -2}, "total_training_steps=-2 must be >= 0"),
+    ("reward timeout", lambda td, tp: {"reward_timeout": 0.0}, "reward_timeout=0.0 must be > 0"),
+    ("reward workers", lambda td, tp: {"reward_num_workers": -1}, "reward_num_workers=-1 must be >= 0"),
+    ("top_k", lambda td, tp: {"top_k": 0}, r"top_k=0 must be -1 \(off\) or > 0"),
+    ("save freq", lambda td, tp: {"save_freq": -2}, "save_freq=-2 must be >= -1"),
+    ("context length", lambda td, tp: {"max_response_length": 500},
+     "= 564 exceeds the model's context, max_position_embeddings=512"),
+    ("cuda missing", lambda td, tp: {"device": "cuda"}, "device='cuda'"),
+    ("npu missing", lambda td, tp: {"device": "npu"}, "device='npu'"),
+    # model directories
+    ("wrong shape", case_wrong_shape, r"shape mismatch for 'model.norm.weight'.*\(31,\).*\(32,\)"),
+    ("truncated weights", case_truncated_weights, "model.safetensors.*truncated or corrupt"),
+    ("missing tensor", case_missing_tensor, "lacks 1 tensors.*model.layers.1.mlp.up_proj.weight"),
+    ("kv heads", lambda td, tp: model_copy(td, tp, edit_config=lambda c: {**c, "num_key_value_heads": 3}),
+     "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ("corrupt tokenizer", case_corrupt_tokenizer, "tokenizer.json"),
+    ("no stop token", case_no_stop_token, "no stop token.*eos_token_id"),
+    ("template syntax", case_template("{% for m in messages %}{{ m['content'] }"), "chat_template.*syntax error.*line 1"),
+    ("template raises", case_template("{{ raise_exception('system messages only') }}"), "system messages only"),
+    # data and reward
+    ("unknown data source", case_unknown_data_source, "mystery_bench.*reward_fn"),
+    ("ground truth type", case_dict_ground_truth, "gt.parquet.*row 0.*ground_truth"),
+    ("reward import", case_reward_syntax_error, "my_reward.py.*line 2"),
+    ("reward kills its worker", case_reward_kills_worker, "exit code 7"),
 ]
 
 
@@ -149,7 +257,7 @@ BAD_INPUTS = [
 def test_bad_input_gives_one_clear_message(tiny_dir, tmp_path, capsys, name, make, message):
     over = make(tiny_dir, tmp_path)
     out = over.pop("out_dir", str(tmp_path / "run"))
-    rc = T.main(args(tiny_dir, out, total_training_steps=1, **over))
+    rc = T.main(args(tiny_dir, out, **{"total_training_steps": 1, **over}))
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.startswith("error: ")
@@ -235,15 +343,17 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, tmp_path,
     assert metrics(out) == uninterrupted
 
 
-def test_corrupt_checkpoint_is_skipped_with_a_message(tiny_dir, tmp_path, uninterrupted):
+@pytest.mark.parametrize("garble", ["dcp", "config.json", "trainer_state.pt"])
+def test_corrupt_checkpoint_is_skipped_with_a_message(tiny_dir, tmp_path, uninterrupted, garble):
     out = tmp_path / "run"
     assert launch(tiny_dir, out, steps=2).wait(timeout=300) == 0
-    for f in (out / "checkpoints" / "step_2" / "dcp").iterdir():  # garble the newest checkpoint's shards
+    newest = out / "checkpoints" / "step_2" / garble
+    for f in (newest.iterdir() if newest.is_dir() else [newest]):  # garble a file of the newest checkpoint
         f.write_bytes(b"garbage")
     p = launch(tiny_dir, out)
     log = p.stdout.read()
     assert p.wait(timeout=300) == 0, log
-    assert "step_2 is unreadable" in log and "resumed from" in log and "step_1 at step 1" in log
+    assert "step_2 is unusable" in log and "resumed from" in log and "step_1 at step 1" in log
     assert metrics(out) == uninterrupted
 
 
@@ -257,7 +367,7 @@ def test_sigterm_checkpoints_and_exits_zero_then_resumes(tiny_dir, tmp_path, uni
     p.send_signal(signal.SIGTERM)
     log = p.stdout.read()
     assert p.wait(timeout=300) == 0, log
-    assert "stopped by signal after step" in log
+    assert "stopped by signal" in log  # after a step, or while refilling the next (rewound to its start)
     p = launch(tiny_dir, out, save_freq=0)
     log = p.stdout.read()
     assert p.wait(timeout=300) == 0, log
@@ -268,3 +378,112 @@ def test_keep_last_prunes_only_after_a_new_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
     assert launch(tiny_dir, out, keep_last=1).wait(timeout=300) == 0
     assert sorted(os.listdir(out / "checkpoints")) == ["step_3"]
+
+
+# -----------------------------------------------------------------------------
+# resume is all or nothing; out_dir belongs to one run; signals, full disks and partial files
+
+
+def test_unusable_trainer_state_and_no_older_checkpoint_stops_with_what_was_tried(tiny_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert T.main(args(tiny_dir, run, total_training_steps=1)) == 0
+    (run / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"not a pickle")
+    before = (run / "metrics.jsonl").read_text()
+    rc = T.main(args(tiny_dir, run, total_training_steps=2))
+    err = capsys.readouterr().err
+    assert rc == 2 and "no usable checkpoint" in err and "step_1: trainer_state.pt" in err
+    assert (run / "metrics.jsonl").read_text() == before  # nothing trained, nothing truncated
+
+
+def test_explicit_resume_path_to_a_corrupt_checkpoint_is_one_line(tiny_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert T.main(args(tiny_dir, run, total_training_steps=1)) == 0
+    shard = next((run / "checkpoints" / "step_1" / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    rc = T.main(args(tiny_dir, tmp_path / "other", total_training_steps=2, resume=str(run / "checkpoints" / "step_1")))
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot resume from {run / 'checkpoints' / 'step_1'}: dcp/{shard.name} is truncated" in err
+
+
+def test_resume_disable_refuses_an_earlier_runs_checkpoints(tiny_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert T.main(args(tiny_dir, run, total_training_steps=1)) == 0
+    before = (run / "metrics.jsonl").read_text()
+    assert T.main(args(tiny_dir, run, total_training_steps=1, resume="disable")) == 2
+    assert "holds an earlier run's checkpoints" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_optimizer_knobs_changed_at_resume_are_applied_and_announced(tiny_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert T.main(args(tiny_dir, run, total_training_steps=1, lr=1e-3, val_files=[])) == 0
+    assert T.main(args(tiny_dir, run, total_training_steps=2, lr=2e-3, weight_decay=0.0, val_files=[])) == 0
+    out = capsys.readouterr().out
+    assert "resume: lr=0.002 replaces the checkpoint's 0.001" in out
+    assert "resume: weight_decay=0.0 replaces the checkpoint's 0.1" in out
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["actor/lr"] for r in rows] == [1e-3, 2e-3]
+
+
+def test_a_second_run_on_the_same_out_dir_is_refused(tiny_dir, tmp_path, capsys):
+    import fcntl
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / ".lock", "w") as held:  # another live run holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        assert T.main(args(tiny_dir, run, total_training_steps=1)) == 2
+    assert "in use by pid 4242" in capsys.readouterr().err
+    assert not (run / "metrics.jsonl").exists()
+    assert T.main(args(tiny_dir, run, total_training_steps=1, val_files=[])) == 0  # released: free again
+
+
+def test_partial_last_metrics_line_is_skipped_on_resume_and_plot(tiny_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert T.main(args(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "train/ac')  # a crash mid-write
+    assert T.main(args(tiny_dir, run, total_training_steps=2, val_files=[])) == 0
+    assert "is not complete JSON" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "tr')
+    if importlib.util.find_spec("matplotlib"):
+        assert T.main(["--plot", str(run)]) == 0
+
+
+def test_full_disk_during_a_checkpoint_says_so_and_leaves_no_partial_directory(tiny_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    run = tmp_path / "run"
+    assert T.main(args(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(parallel.dcp, "save", no_space)
+    rc = T.main(args(tiny_dir, run, total_training_steps=2, val_files=[]))
+    err = capsys.readouterr().err
+    assert rc == 3 and "No space left on device" in err and "step_2.tmp" in err
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_1"]  # the older one stays, no partial one
+    assert parallel.checkpoint_problem(str(run / "checkpoints" / "step_1")) is None
+
+
+def test_sigterm_while_dynamic_sampling_refills_forever_stops_promptly(tiny_dir, tmp_path):
+    fn = reward_file(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                               "    return 0.0\n")  # no group ever varies
+    out = tmp_path / "run"
+    p = launch(tiny_dir, out, reward_fn=fn, filter_groups_metric="score", max_num_gen_batches=0, val_files=[],
+               gen_batch_size=2)
+    lines = []
+    for line in p.stdout:  # progress is printed while refilling
+        lines.append(line)
+        if "dynamic sampling: round 5" in line:
+            break
+    else:
+        pytest.fail("".join(lines))
+    p.send_signal(signal.SIGTERM)
+    rest = p.communicate(timeout=60)[0]
+    assert p.returncode == 0, rest
+    assert "stopped by signal while refilling step 1" in rest
+    assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")  # no step was finished

@@ -196,15 +196,17 @@ def random_batch(vocab=40, n_traj=6, R=7, seed=0):
         adv=torch.randn(n_traj, generator=g))
 
 
-def grads_after_update(cfg, traj):
-    cfg_m = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1)
-    m = M.Transformer(cfg_m).init_weights(seed=0).double()
+def grads_after_update(cfg, traj, m=None):
+    if m is None:
+        cfg_m = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1)
+        m = M.Transformer(cfg_m).init_weights(seed=0).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     sched = T.make_scheduler(opt, cfg, 1)
     T.update_policy(m, opt, sched, traj, cfg, contextlib.nullcontext(), parallel.init_distributed("cpu"),
                     on_policy=False)
-    return torch.cat([p.grad.flatten() for p in m.parameters()])
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten()
+                      for p in m.parameters()])
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -249,6 +251,24 @@ def test_entropy_coefficient_zero_keeps_the_entropy_out_of_the_backward(monkeypa
     assert reached == []
     grads_after_update(T.Config(**base, entropy_coeff=0.5), random_batch())
     assert reached
+
+
+def test_router_aux_loss_adds_the_models_coefficient_times_the_load_balancing_gradient(tmp_path):
+    from moe_util import save_hf_moe
+    save_hf_moe(tmp_path / "moe", router_aux_loss_coef=0.5)
+    load = lambda: M.from_pretrained(str(tmp_path / "moe"), dtype=torch.float64)  # noqa: E731
+    traj = random_batch(vocab=61)
+    base = dict(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
+                temperature=1.0, ppo_micro_batch_size_per_gpu=6)  # one micro-batch: the aux loss is its own
+    plain = grads_after_update(T.Config(**base), traj, load())
+    with_aux = grads_after_update(T.Config(**base, router_aux_loss=True), traj, load())
+    m = load()  # the reference: 0.5 x the load-balancing loss of the same packed forward, on its own
+    loads = []
+    T.sequence_logprobs(m, traj, list(range(6)), T.Config(**base), with_entropy=False, router_loads=loads)
+    (0.5 * M.load_balancing_loss(loads, m.config.num_experts_per_tok)).backward()
+    ref = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in m.parameters()])
+    assert ref.abs().max() > 1e-3
+    torch.testing.assert_close(with_aux - plain, ref, rtol=0, atol=1e-4 * ref.abs().max().item())  # fp32 head
 
 
 # -----------------------------------------------------------------------------
