@@ -1,7 +1,7 @@
 """
 Prompts in, index batches out: the tokenizer with its chat template, parquet datasets in verl's schema,
 chat templating, truncation, overlong-prompt filtering, a resumable sampler, and token-budget micro-batching.
-No torch here: preparing and inspecting data (prepare_data.py) needs only pyarrow, tokenizers and jinja2.
+No torch here: preparing and inspecting data (tools/prepare_data.py) needs only pyarrow, tokenizers and jinja2.
 
 A row (the schema verl's data preprocessors write, so their parquet files load unchanged):
     {data_source: str, prompt: [{role, content}, ...] or str, ability: str,
@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")  # "prompt" stands for prompt_key
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 SCHEMA = "verl's schema needs data_source, prompt, reward_model.ground_truth"
-SCHEMA_HINT = SCHEMA + "; convert with `python prepare_data.py jsonl2parquet`"
+SCHEMA_HINT = SCHEMA + "; convert with `python tools/prepare_data.py jsonl2parquet`"
 
 
 class DataError(ValueError):

@@ -13,7 +13,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the
 import data  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
-from prepare_data import make_arith_rows  # noqa: E402
+from tools.prepare_data import make_arith_rows  # noqa: E402
 from bench.common import model_config, write_random_model  # noqa: E402
 
 if __name__ == "__main__":

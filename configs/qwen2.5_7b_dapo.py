@@ -12,7 +12,7 @@
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/dapo-math-17k.parquet?download=true"
 #   wget -O ~/data/aime-2024.parquet \
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/AIME-2024/resolve/main/data/aime-2024.parquet?download=true"
-#   python prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen2.5-7B --max_prompt_length 2048
+#   python tools/prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen2.5-7B --max_prompt_length 2048
 #
 # Expected result: none published for this exact setup, and not measured yet. What to watch: train/acc and
 # val/acc (AIME 2024, 30 problems) rising, response_length/mean growing, response_length/clip_ratio staying low.

@@ -14,8 +14,8 @@
 # output the final answer after \"####\"", ground truth from "#### N"):
 #   huggingface-cli download Qwen/Qwen2-0.5B-Instruct --local-dir ~/models/Qwen2-0.5B-Instruct
 #   huggingface-cli download openai/gsm8k --repo-type dataset --local-dir ~/data/gsm8k_raw
-#   python prepare_data.py prepare-gsm8k ~/data/gsm8k_raw ~/data/gsm8k      # -> ~/data/gsm8k/{train,test}.parquet
-#   python prepare_data.py inspect ~/data/gsm8k/train.parquet --tokenizer ~/models/Qwen2-0.5B-Instruct --max_prompt_length 512
+#   python tools/prepare_data.py prepare-gsm8k ~/data/gsm8k_raw ~/data/gsm8k      # -> ~/data/gsm8k/{train,test}.parquet
+#   python tools/prepare_data.py inspect ~/data/gsm8k/train.parquet --tokenizer ~/models/Qwen2-0.5B-Instruct --max_prompt_length 512
 # (verl's examples/data_preprocess/gsm8k.py writes the same files; they load as they are.)
 #
 # Expected result: none published for this run, and not measured yet; val/acc (greedy, GSM8K test) should rise

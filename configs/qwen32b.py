@@ -11,7 +11,7 @@
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/dapo-math-17k.parquet?download=true"
 #   wget -O ~/data/aime-2024.parquet \
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/AIME-2024/resolve/main/data/aime-2024.parquet?download=true"
-#   python prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen2.5-32B --max_prompt_length 2048
+#   python tools/prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen2.5-32B --max_prompt_length 2048
 # Every node needs the model and data at these paths, and out_dir on a filesystem all nodes share (checkpoints are
 # written by every rank, like verl's trainer.default_local_dir).
 #

@@ -11,7 +11,7 @@
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/dapo-math-17k.parquet?download=true"
 #   wget -O ~/data/aime-2024.parquet \
 #     "https://huggingface.co/datasets/BytedTsinghua-SIA/AIME-2024/resolve/main/data/aime-2024.parquet?download=true"
-#   python prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen3-8B --max_prompt_length 2048
+#   python tools/prepare_data.py inspect ~/data/dapo-math-17k.parquet --tokenizer ~/models/Qwen3-8B --max_prompt_length 2048
 #
 # Thinking template: prompts go through the model's own chat template with no extra arguments, and Qwen3's template
 # then leaves thinking on: the response is "<think>...</think>" followed by the answer; the verifier reads the

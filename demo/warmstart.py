@@ -27,7 +27,7 @@ import torch
 
 import data
 import model as M
-import prepare_data
+from tools import prepare_data
 from reward import compute_score
 from rollout import SamplingParams, TorchEngine
 

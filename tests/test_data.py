@@ -159,7 +159,7 @@ def test_missing_column_names_file_column_and_fix(tmp_path):
             call()
         msg = str(e.value)
         assert "missing column 'reward_model'" in msg and "train.parquet" in msg
-        assert "python prepare_data.py jsonl2parquet" in msg
+        assert "python tools/prepare_data.py jsonl2parquet" in msg
 
 
 def test_custom_prompt_key(tmp_path):

@@ -1,10 +1,10 @@
 """
 Preparing and inspecting data in verl's parquet schema (the training path reads it with data.py):
 
-    python prepare_data.py make-arith data/arith --train 4000 --val 200   # the CPU demo task
-    python prepare_data.py prepare-gsm8k RAW_DIR data/gsm8k   # raw GSM8K (HF or openai jsonl) -> verl's rows
-    python prepare_data.py jsonl2parquet IN.jsonl OUT.parquet        # one JSON row per line
-    python prepare_data.py inspect data/gsm8k/train.parquet --tokenizer MODEL_DIR --max_prompt_length 512
+    python tools/prepare_data.py make-arith data/arith --train 4000 --val 200   # the CPU demo task
+    python tools/prepare_data.py prepare-gsm8k RAW_DIR data/gsm8k   # raw GSM8K (HF or openai jsonl) -> verl's rows
+    python tools/prepare_data.py jsonl2parquet IN.jsonl OUT.parquet        # one JSON row per line
+    python tools/prepare_data.py inspect data/gsm8k/train.parquet --tokenizer MODEL_DIR --max_prompt_length 512
 
 No torch: these need pyarrow, and tokenizers + jinja2 for inspect's --tokenizer.
 """
