@@ -330,9 +330,7 @@ def _ensure_process_group():
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        backends = parallel.BACKENDS  # the CPU's beside the accelerator's: object gathers move CPU tensors
-        dist.init_process_group(backend=backends["cpu"] if kind == "cpu" else
-                                f"cpu:{backends['cpu']},{kind}:{backends[kind]}")
+        dist.init_process_group(backend=parallel.process_group_backend(kind))
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
     os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if kind != "cpu" else 0))
