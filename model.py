@@ -518,19 +518,20 @@ class Experts(nn.Module):
     def forward(self, x, ends):
         """x [N, H], rows sorted by expert; ends [E]: cumulative row counts (expert e has rows ends[e-1]:ends[e])
         -> [N, H], each row through its expert."""
+        # under expert parallelism the stacks are DTensors and ends counts this rank's experts only
+        w13, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
         dtype = _grouped_mm_dtype(x)
         if dtype is not None:  # one grouped GEMM per projection, no host sync
             offs = ends.to(torch.int32)
-            h = torch._grouped_mm(x.to(dtype), self.gate_up_proj.to(dtype).transpose(1, 2), offs=offs)
+            h = torch._grouped_mm(x.to(dtype), w13.to(dtype).transpose(1, 2), offs=offs)
             gate, up = h.chunk(2, -1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(1, 2), offs=offs)
+            return torch._grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offs)
         counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         out = []
-        for e, xe in enumerate(x.split(counts)):  # other devices / dtypes: the experts that received rows
-            if len(xe):
-                gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, -1)
-                out.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        return torch.cat(out) if out else x
+        for e, xe in enumerate(x.split(counts)):  # other devices / dtypes: every expert, even one without rows,
+            gate, up = F.linear(xe, w13[e]).chunk(2, -1)  # so that every rank's stacks get a gradient (FSDP)
+            out.append(F.linear(F.silu(gate) * up, w2[e]))
+        return torch.cat(out)
 
 
 class MoE(nn.Module):
@@ -635,8 +636,8 @@ class Transformer(nn.Module):
 
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
         logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last tokens).
-        router_loads: a list: each MoE layer appends its router_load (for load_balancing_loss) of this forward's
-        tokens (with sequence parallelism: this rank's share). None: nothing is computed for it.
+        router_loads: an empty list: each MoE layer appends its router_load (for load_balancing_loss) of this
+        forward's tokens (with sequence parallelism: this rank's share). None: nothing is computed for it.
         With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank of the group
         passes the same full row, computes 1/sp of it, and gets the whole row's (identical) outputs. Other
         forwards (logits, generation) run whole on every rank.
@@ -654,13 +655,17 @@ class Transformer(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
         x = self.model.embed_tokens(input_ids)
-        loads = None if router_loads is None else []  # a recompute's appends land here, not in the caller's list
+        loads = []
         for i, layer in enumerate(self.model.layers):
             kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else None
+            # an empty list per layer: FSDP rebuilds containers that hold tensors needing grad before a block runs,
+            # and a recompute's appends land in it, not in the caller's list
+            mine = None if router_loads is None else []
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, kv_cache, loads, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, kv_cache, mine, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, batch, kv_cache, loads)
+                x = layer(x, cos, sin, batch, kv_cache, mine)
+            loads += mine or []
         if router_loads is not None:
             router_loads.extend(loads)
         h = self.model.norm(x)

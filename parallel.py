@@ -25,7 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -110,12 +112,13 @@ def set_rng_state(state: dict, device: torch.device):
 
 
 def check_mesh(world_size: int, tp_size: int, sp_size: int, num_attention_heads: int | None = None,
-               num_key_value_heads: int | None = None) -> int:
+               num_key_value_heads: int | None = None, ep_size: int = 1, num_experts: int | None = None) -> int:
     """The mesh arithmetic, in one place: world = dp x sp x tp, and with the model's head counts, TP splits the
     query and key/value heads while SP splits each TP rank's query heads again (key/value heads fewer than sp are
-    repeated). Returns dp; raises ValueError naming the knobs and the fix."""
-    if tp_size < 1 or sp_size < 1:
-        raise ValueError(f"tp_size={tp_size} and sp_size={sp_size} must be >= 1 (1 = off)")
+    repeated). Expert parallelism splits each MoE layer's experts over ep_size of the dp x sp ranks (tp_size must
+    be 1). Returns dp; raises ValueError naming the knobs and the fix."""
+    if tp_size < 1 or sp_size < 1 or ep_size < 1:
+        raise ValueError(f"tp_size={tp_size}, sp_size={sp_size} and ep_size={ep_size} must be >= 1 (1 = off)")
     n = tp_size * sp_size
     if world_size % n:
         raise ValueError(f"sp_size={sp_size} x tp_size={tp_size} = {n} must divide the world size {world_size} "
@@ -128,6 +131,19 @@ def check_mesh(world_size: int, tp_size: int, sp_size: int, num_attention_heads:
     if num_key_value_heads is not None and num_key_value_heads % tp_size:
         raise ValueError(f"num_key_value_heads={num_key_value_heads} must be divisible by tp_size={tp_size}: TP "
                          f"splits the key/value heads; choose a tp_size dividing {num_key_value_heads}")
+    if ep_size > 1:
+        fsdp = world_size // tp_size
+        if tp_size > 1:
+            raise ValueError(f"ep_size={ep_size} with tp_size={tp_size}: expert parallelism runs without tensor "
+                             "parallelism; set tp_size=1 (EP + FSDP + sp_size for long sequences)")
+        if fsdp % ep_size:
+            raise ValueError(f"ep_size={ep_size} must divide the dp x sp = {fsdp} ranks (experts are split over "
+                             f"ep_size ranks, FSDP-sharded over the other {fsdp} / ep_size); choose an ep_size "
+                             f"dividing {fsdp}")
+        if num_experts is not None and (num_experts == 0 or num_experts % ep_size):
+            raise ValueError(f"ep_size={ep_size} must divide num_experts={num_experts} (each rank holds "
+                             f"num_experts / ep_size experts of every MoE layer; a dense model has none); choose "
+                             "an ep_size dividing num_experts, or ep_size=1")
     return world_size // n
 
 
@@ -137,18 +153,24 @@ class ParallelDims:
 
     dp: data-parallel replicas, the groups that see different data. The sp x tp ranks of one replica run the same
     micro-batches: TP splits the weights' heads and features, SP the tokens. FSDP shards parameters, gradients and
-    optimizer states over the dp x sp ranks of the same TP index (fsdp_size) and sums gradients over them."""
+    optimizer states over the dp x sp ranks of the same TP index (fsdp_size) and sums gradients over them.
+
+    ep: expert parallelism (tp = 1): the fsdp_size ranks, numbered f = dp_rank * sp + sp_rank, form groups of ep
+    consecutive ranks (ep_rank = f % ep) that split each MoE layer's experts and exchange tokens; expert weights are
+    FSDP-sharded over the efsdp_size = fsdp_size / ep ranks of the same ep_rank, all other weights as above."""
     world_size: int
     rank: int
     local_rank: int
     tp: int
     device: torch.device
     sp: int = 1
+    ep: int = 1
     mesh: object = None  # DeviceMesh ("dp", "sp", "tp") when world_size > 1
     fsdp_mesh: object = None  # its ("dp", "sp") dimensions flattened: the ranks FSDP shards over
+    expert_mesh: object = None  # DeviceMesh ("efsdp", "ep") over the same ranks, when ep > 1
 
     def __post_init__(self):
-        check_mesh(self.world_size, self.tp, self.sp)
+        check_mesh(self.world_size, self.tp, self.sp, ep_size=self.ep)
 
     @property
     def dp(self) -> int:
@@ -167,18 +189,26 @@ class ParallelDims:
         return self.rank // self.tp % self.sp
 
     @property
+    def efsdp_size(self) -> int:
+        return self.fsdp_size // self.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.tp % self.ep
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1) -> ParallelDims:
+def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1) -> ParallelDims:
     """This rank's ParallelDims from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (plain python: one rank); the
     mesh and the device are checked before any process group or device is set up."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     kind = device_type(device)
     dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, local_rank)
-    dims = ParallelDims(world, rank, local_rank, tp, dev, sp=sp)
+    dims = ParallelDims(world, rank, local_rank, tp, dev, sp=sp, ep=ep)
     if kind != "cpu":
         torch.get_device_module(kind).set_device(local_rank)
     if world > 1:
@@ -186,6 +216,8 @@ def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1) -> Parallel
             dist.init_process_group(backend=process_group_backend(kind))
         dims.mesh = init_device_mesh(kind, (dims.dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
         dims.fsdp_mesh = dims.mesh["dp", "sp"]._flatten("fsdp")
+        if ep > 1:
+            dims.expert_mesh = init_device_mesh(kind, (dims.efsdp_size, ep), mesh_dim_names=("efsdp", "ep"))
     return dims
 
 
@@ -240,11 +272,14 @@ TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_a
 
 
 def apply_tp(model, tp_mesh):
+    """TP_PLAN on every block; a MoE block has no mlp.gate_proj/up_proj/down_proj: its router and experts stay
+    replicated over the TP ranks (each computes all of them on the same tokens)."""
     tp, cfg = tp_mesh.size(), model.config
     check_mesh(tp, tp, 1, cfg.num_attention_heads, cfg.num_key_value_heads)
     style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, {k: style[v]() for k, v in TP_PLAN.items()})
+        names = {name for name, _ in block.named_modules()}
+        parallelize_module(block, tp_mesh, {k: style[v]() for k, v in TP_PLAN.items() if k in names})
         if cfg.qk_norm:  # Qwen3's per-head q/k norms see only this rank's heads: sum their gradients
             block.self_attn.q_norm.grad_sum_group = block.self_attn.k_norm.grad_sum_group = tp_mesh.get_group()
 
@@ -258,6 +293,66 @@ def apply_sp(model, sp_mesh, tp: int = 1):
     model.sp_group = sp_mesh.get_group()
 
 
+EXPERT_STACKS = ("gate_up_proj", "down_proj")  # a MoE layer's expert weights, stacked along dim 0 = expert
+
+
+def expert_modules(model) -> list:
+    """The modules that hold expert stacks (model.py's Experts, one per MoE layer)."""
+    return [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Parameter) for n in EXPERT_STACKS)]
+
+
+def _all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def apply_ep(model, ep_mesh):
+    """Expert parallelism: each expert stack becomes a DTensor sharded along experts over ep_mesh (this rank keeps
+    num_experts / ep of them), and each Experts module exchanges tokens around its forward (torchtitan's scheme):
+    its input, rows sorted by expert with cumulative counts `ends`, goes to the ranks holding those experts
+    (all-to-all of the counts, then of the rows, with uneven splits), is regrouped by local expert, computed, and
+    the outputs travel back the same way. The all-to-alls are differentiable, so each rank's expert gradients
+    come from every token routed to its experts."""
+    ep, group, rank = ep_mesh.size(), ep_mesh.get_group(), ep_mesh.get_local_rank()
+    for experts in expert_modules(model):
+        for name in EXPERT_STACKS:  # src_data_rank=None: every rank slices its own rows (works on meta too)
+            p = getattr(experts, name)
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)],
+                                                                            src_data_rank=None)))
+        state = {}
+
+        def dispatch(module, args, state=state):
+            x, ends = args
+            counts = torch.diff(ends, prepend=ends.new_zeros(1)).view(ep, -1)  # [destination rank, its expert]
+            recv = _all_to_all_counts(counts, group)  # [source rank, my expert]
+            state["splits"] = counts.sum(1).tolist(), recv.sum(1).tolist()  # rows sent to / received from each rank
+            rows = all_to_all_single_autograd(x, state["splits"][1], state["splits"][0], group)
+            local = torch.arange(recv.shape[1], device=x.device).repeat(ep).repeat_interleave(recv.flatten())
+            state["order"] = local.argsort(stable=True)  # (source, expert) order -> expert order
+            return rows[state["order"]], recv.sum(0).cumsum(0)
+
+        def combine(module, args, y, state=state):
+            back = torch.empty_like(y).index_copy(0, state["order"], y)
+            return all_to_all_single_autograd(back, state["splits"][0], state["splits"][1], group)
+
+        experts.register_forward_pre_hook(dispatch)
+        experts.register_forward_hook(combine)
+
+
+def reduce_router_loads(router_loads: list, group) -> list:
+    """Each MoE layer's router_load (model.py: [2, E] top-k picks and summed router probabilities of this rank's
+    tokens) summed over `group` (the dp x sp ranks, dims.fsdp_mesh.get_group()), with this rank's gradient path
+    only: load_balancing_loss of the result equals one process's over all the group's tokens, and the gradients
+    that FSDP sums over the ranks add up to its gradient. One all-reduce for all layers."""
+    if not router_loads or group is None or dist.get_world_size(group) == 1:
+        return router_loads
+    local = torch.stack(router_loads)
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    return list((local + (total - local.detach())).unbind(0))
+
+
 def apply_compile(model):
     """torch.compile each decoder block, in place: nn.Module.compile keeps the parameter names (HF's), where a
     torch.compile wrapper module would prefix them with _orig_mod. Blocks, not the whole model, as torchtitan: the
@@ -269,7 +364,8 @@ def apply_compile(model):
         block.compile()
 
 
-def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False):
+def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False,
+               expert_mesh=None):
     """fully_shard each decoder block, then the root (embeddings, final norm, output layer). Parameters stay
     fp32 (the master copy, sharded, as are AdamW's states); compute runs in param_dtype, gradients reduce in fp32.
     Gradients are summed over the FSDP ranks, not averaged: the trainer's loss carries the one denominator.
@@ -278,40 +374,51 @@ def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.
     from the param_dtype embedding), and RoPE's cos/sin stay fp32, as model.py means them to; casting them can give
     an activation-checkpointed block's recompute other dtypes than its forward saw."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    kw = dict(mesh=fsdp_mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    units = []
+    if expert_mesh is not None:  # expert stacks (EP DTensors) first, their own units over the efsdp ranks; dim 1,
+        for experts in expert_modules(model):  # as dim 0 is split by EP already
+            units.append(fully_shard(experts, mesh=expert_mesh["efsdp"], shard_placement_fn=lambda p: Shard(1), **kw))
     for block in model.model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    for module in (*model.model.layers, model):  # plain SUM collectives (gloo has no pre-multiplied sum)
+        units.append(fully_shard(block, mesh=fsdp_mesh, **kw))
+    units.append(fully_shard(model, mesh=fsdp_mesh, **kw))
+    for module in units:  # plain SUM collectives (gloo has no pre-multiplied sum)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False, compile: bool = False):
-    """Shard `model` for dims: TP, SP, optionally compile each block, then FSDP2 over dims.fsdp_mesh, which sums
-    gradients over dims.fsdp_size ranks."""
+    """Shard `model` for dims: TP, SP, EP, optionally compile each block, then FSDP2 over dims.fsdp_mesh (expert
+    stacks under EP: over dims.expert_mesh["efsdp"]), which sums gradients over dims.fsdp_size ranks."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
     if dims.sp > 1:
         apply_sp(model, dims.mesh["sp"], dims.tp)
+    if dims.ep > 1:
+        check_mesh(dims.world_size, dims.tp, dims.sp, ep_size=dims.ep, num_experts=model.config.num_experts)
+        apply_ep(model, dims.expert_mesh["ep"])
     if compile:
         apply_compile(model)
     if dims.world_size > 1:
-        apply_fsdp(model, dims.fsdp_mesh, param_dtype=param_dtype, offload=offload)
+        apply_fsdp(model, dims.fsdp_mesh, param_dtype=param_dtype, offload=offload, expert_mesh=dims.expert_mesh)
 
 
-def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat16):
-    """Yield lists of (HF name, full tensor) whose sizes add up to about bucket_bytes, gathered from the
-    sharded model in a fixed order. Collective: every rank must iterate to the end. Extra memory: one bucket."""
+def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat16, rename=None):
+    """Yield lists of (name, full tensor) whose sizes add up to about bucket_bytes, gathered from the sharded model
+    (FSDP, TP, EP) in a fixed order. rename(name, full tensor) -> [(name, tensor)] maps each parameter to the
+    engine's tensors (model.hf_tensors: an expert stack to one view per expert and projection, which fill buckets
+    one by one); None keeps the parameter names. Collective: every rank must iterate to the end. Extra memory:
+    one bucket plus the parameter being cut up (a whole expert stack)."""
     bucket, size = [], 0
     for name, p in model.named_parameters():
         t = p.detach().to(dtype)  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
         t = t.full_tensor() if isinstance(t, DTensor) else t
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
+        for piece in rename(name, t) if rename is not None else [(name, t)]:
+            bucket.append(piece)
+            size += piece[1].numel() * piece[1].element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
     if bucket:
         yield bucket
 

@@ -8,6 +8,11 @@
   update                train_dapo.update_policy on a fixed batch (token-mean over dp ranks), FSDP over all ranks
   update_sp             the same with sp=2: both ranks split every micro-batch's tokens (Ulysses)
   save | load           a train_dapo-style checkpoint written / read at this world size
+  ep2 | ep4 | ep2_fsdp | moe_fsdp | moe_tp
+                        a tiny Qwen3-MoE: expert parallel over 2 or 4 ranks (ep2_fsdp: ep 2 on 4 ranks, experts
+                        FSDP-sharded over the other 2; moe_fsdp: FSDP only; moe_tp: TP 2, experts replicated): one
+                        forward + backward with the router aux loss (log-probs per document, losses, full
+                        gradients), AdamW steps, then the full weights in HF names and the push's bucket sizes
 """
 import contextlib
 import os
@@ -49,6 +54,46 @@ def train_steps(model, opt, dims, steps=3):
     return losses
 
 
+AUX_COEF = 0.5  # large, so that a wrong router gradient shows
+
+
+def moe_loss(model, dims, docs):
+    """-token-sum of log p over this rank's docs / all tokens + AUX_COEF x the load-balancing loss over all ranks'
+    tokens (router statistics summed over the dp ranks) -> (loss, this rank's per-doc log-probs, aux)."""
+    n_tokens_total, mine = sum(len(d) - 1 for d in docs), list(range(len(docs)))[dims.dp_rank::dims.dp]
+    ids, pos, b = M.pack_sequences([docs[i][:-1] for i in mine])
+    tgt = torch.tensor([t for i in mine for t in docs[i][1:]])[None]
+    loads = []
+    logp, _ = model(ids, pos, b, target_ids=tgt, router_loads=loads)
+    group = dims.fsdp_mesh.get_group() if dims.world_size > 1 else None  # the dp x sp ranks of this TP index
+    aux = M.load_balancing_loss(parallel.reduce_router_loads(loads, group), model.config.num_experts_per_tok)
+    per_doc = dict(zip(mine, logp[0].detach().split([len(docs[i]) - 1 for i in mine])))
+    return -logp.sum() / n_tokens_total + AUX_COEF * aux, per_doc, aux.item()
+
+
+def moe_run(model, opt, dims, steps=3):
+    from torch.distributed.tensor import DTensor
+    docs = batch()
+    loss, per_doc, aux = moe_loss(model, dims, docs)
+    loss.backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+    out = {"grads": grads, "aux": aux, "logp": {}, "loss": 0.0}
+    for part, rank_loss in parallel.all_gather_objects((per_doc, loss.item()), dims)[::dims.tp]:
+        out["logp"].update(part)
+        out["loss"] += rank_loss  # the policy terms add up over the dp ranks; each rank adds the whole aux once
+    out["loss"] -= (dims.dp - 1) * AUX_COEF * aux
+    model.zero_grad(set_to_none=True)
+    for _ in range(steps):
+        opt.zero_grad()
+        moe_loss(model, dims, docs)[0].backward()
+        parallel.clip_grad_norm_(list(model.parameters()), 1.0)
+        opt.step()
+    pushed = list(parallel.iter_full_weights(model, bucket_bytes=4096, dtype=torch.float32, rename=M.hf_tensors))
+    out["hf"] = {k: v for b in pushed for k, v in b}
+    out["bucket_bytes"] = [sum(v.numel() * v.element_size() for _, v in b) for b in pushed]
+    return out
+
+
 def forward_backward(model, dims):
     """One packed forward + backward over every document (the SP modes have dp = 1) -> per-token log-probs and
     entropy, the loss, and the full gradients; also the no-grad log-probs and the packed logits."""
@@ -77,7 +122,8 @@ def full_params(model):
 
 def main(mode, ckpt_dir, out):
     sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2, "update_sp": 2}.get(mode, 1)
-    dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp)
+    ep = int(mode[2]) if mode.startswith("ep") else 1
+    dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp, ep=ep)
     shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
         (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32, compile=mode == "sp_compile")) \
         if dims.world_size > 1 else None
@@ -87,6 +133,8 @@ def main(mode, ckpt_dir, out):
     if mode in ("fsdp", "tp", "fsdp_tp", "single"):
         result["losses"] = train_steps(model, opt, dims)
         result["dp_sum"] = parallel.sum_over_dp({"a": dims.dp_rank + 1.0, "b": 0.5}, dims)
+    elif mode in ("ep2", "ep4", "ep2_fsdp", "moe_fsdp", "moe_tp"):
+        result.update(moe_run(model, opt, dims))
     elif mode in ("sp", "sp_tp", "sp4", "sp_compile"):
         model.gradient_checkpointing = True  # backward then recomputes the all-to-alls
         result.update(forward_backward(model, dims))

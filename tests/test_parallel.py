@@ -137,7 +137,7 @@ def test_check_mesh_returns_dp(world, tp, sp, dp):
 @pytest.mark.parametrize("args,message", [
     ((3, 2, 1), r"sp_size=1 x tp_size=2 = 2 must divide the world size 3"),
     ((8, 2, 4), r"num_attention_heads=4 must be divisible by tp_size x sp_size = 2 x 4"),
-    ((8, 0, 1), r"tp_size=0 and sp_size=1 must be >= 1"),
+    ((8, 0, 1), r"tp_size=0, sp_size=1 and ep_size=1 must be >= 1"),
     ((8, 4, 1), r"num_key_value_heads=2 must be divisible by tp_size=4"),
     ((16, 1, 8), r"num_attention_heads=4 must be divisible by tp_size x sp_size = 1 x 8"),
 ])
