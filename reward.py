@@ -1,7 +1,6 @@
 """
-Rewards: rule verifiers by data_source (verl's interface and semantics), custom reward functions
-loaded from a file, DAPO's overlong penalty, and a small process pool that scores a batch with a
-per-response timeout.
+Rewards: rule verifiers by data_source (verl's interface and semantics), custom reward functions loaded from
+a file, DAPO's overlong penalty, and a process pool that scores a batch with a per-response timeout.
 
     compute_score("math_dapo", "...\nAnswer: 42", "42")   # {'score': 1.0, 'acc': True, 'pred': '42'}
     reward_fn = "path/to/file.py:function_name"           # config: a custom function, same signature
@@ -25,8 +24,8 @@ ANSWER_PATTERN = r"(?i)Answer\s*:\s*([^\n]+)"  # DAPO's prompt asks for a last l
 
 
 class RewardError(ValueError):
-    """Scoring cannot go on: a reward_fn that does not load, a data_source without a verifier, a reward
-    function that failed on every response of a call. The message says which and how to fix it."""
+    """Scoring cannot go on (a reward_fn that does not load, a data_source without a verifier, a reward
+    function that failed on every response of a call); the message says which and how to fix it."""
 
 
 # -----------------------------------------------------------------------------
@@ -100,24 +99,19 @@ def math_dapo_score(solution_str: str, ground_truth: str, strict_box_verify: boo
 GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
-def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
-    """strict: the last '#### <number>' (the trained format); flexible: the last number anywhere."""
+def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
+                format_score: float = 0.0, score: float = 1.0) -> dict:
+    """GSM8K: score if correct, format_score if a number was found but is wrong, 0 if none was found.
+    method strict: the last '#### <number>' (the trained format); flexible: the last number anywhere."""
     solution_str = solution_str[-300:]
     if method == "strict":
         found = GSM8K_ANSWER.findall(solution_str)
-        return found[-1].replace(",", "").replace("$", "") if found else None
-    assert method == "flexible", method
-    found = re.findall(r"(\-?[0-9\.\,]+)", solution_str)
-    numbers = [a for a in found if a != "."]
-    if numbers:
-        return numbers[-1]
-    return found[0] if found else None  # verl's loop leaves a lone "." as the answer; it never matches
-
-
-def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
-                format_score: float = 0.0, score: float = 1.0) -> dict:
-    """GSM8K: score if correct, format_score if a number was found but is wrong, 0 if none was found."""
-    pred = extract_gsm8k_answer(solution_str, method)
+        pred = found[-1].replace(",", "").replace("$", "") if found else None
+    else:
+        assert method == "flexible", method
+        found = re.findall(r"(\-?[0-9\.\,]+)", solution_str)
+        numbers = [a for a in found if a != "."]
+        pred = numbers[-1] if numbers else (found[0] if found else None)  # verl keeps a lone "."; it never matches
     correct = pred is not None and pred == ground_truth
     value = score if correct else (format_score if pred is not None else 0.0)
     return {"score": float(value), "acc": correct, "pred": pred}
@@ -143,54 +137,40 @@ AIME_PREFIX = "aime"
 
 def _verifier(data_source: str):
     """The rule verifier for a data_source, or None if there is none."""
-    if data_source in VERIFIERS:
-        return VERIFIERS[data_source]
-    if str(data_source).startswith(AIME_PREFIX):
-        return math_dapo_score
-    return None
-
-
-def _no_verifier_message(data_sources) -> str:
-    unknown = ", ".join(repr(ds) for ds in sorted(data_sources, key=str))
-    known = ", ".join([*VERIFIERS, AIME_PREFIX + "*"])
-    return (f"no verifier for data_source {unknown}; known: {known}. For another data source write a function "
-            "f(data_source, solution_str, ground_truth, extra_info=None) returning a float or a dict with "
-            "'score' (and 'acc'), and set reward_fn = \"path/to/file.py:function_name\" in the config.")
+    return math_dapo_score if str(data_source).startswith(AIME_PREFIX) else VERIFIERS.get(data_source)
 
 
 def check_data_sources(data_sources: set[str], reward_fn: str | None) -> None:
     """Before any work: with the built-in verifiers (reward_fn None) every data_source needs one. A custom
     reward_fn receives every data_source and decides for itself."""
-    unknown = {ds for ds in data_sources if _verifier(ds) is None}
+    unknown = sorted((ds for ds in data_sources if _verifier(ds) is None), key=str)
     if reward_fn is None and unknown:
-        raise RewardError(_no_verifier_message(unknown))
-
-
-def _ground_truths(ground_truth) -> list[str]:
-    """A ground truth is one answer or a list of accepted answers (numpy arrays from parquet too)."""
-    if hasattr(ground_truth, "tolist"):
-        ground_truth = ground_truth.tolist()
-    answers = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
-    if not answers:
-        raise ValueError("ground_truth is an empty list; a row needs at least one accepted answer")
-    return [str(a) for a in answers]
+        raise RewardError(
+            f"no verifier for data_source {', '.join(map(repr, unknown))}; known: {', '.join(VERIFIERS)}, "
+            f"{AIME_PREFIX}*. For another data source write a function f(data_source, solution_str, ground_truth, "
+            "extra_info=None) returning a float or a dict with 'score' (and 'acc'), and set "
+            'reward_fn = "path/to/file.py:function_name" in the config.')
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict:
-    """Score one response with the rule verifier for its data_source; any accepted answer counts."""
+    """Score one response with the rule verifier for its data_source. ground_truth is one answer or a list of
+    accepted answers (a numpy array from parquet too); the best-scoring one counts."""
+    check_data_sources({data_source}, reward_fn=None)  # raises for a data_source without a verifier
+    answers = ground_truth.tolist() if hasattr(ground_truth, "tolist") else ground_truth
+    answers = answers if isinstance(answers, (list, tuple)) else [answers]
+    if not answers:
+        raise ValueError("ground_truth is an empty list; a row needs at least one accepted answer")
     verify = _verifier(data_source)
-    if verify is None:
-        raise RewardError(_no_verifier_message([data_source]))
-    return max((verify(solution_str, gt) for gt in _ground_truths(ground_truth)), key=lambda r: r["score"])
+    return max((verify(solution_str, str(a)) for a in answers), key=lambda r: r["score"])
 
 
 def _import_failure(path: str, e: Exception) -> str:
     """Where in the file at path an import failed, and why: "line 3 ('import foo'): ModuleNotFoundError: ..."."""
-    if isinstance(e, SyntaxError) and os.path.abspath(e.filename or "") == os.path.abspath(path):
+    here = os.path.abspath(path)
+    if isinstance(e, SyntaxError) and os.path.abspath(e.filename or "") == here:
         line, code = e.lineno, (e.text or "").strip()
     else:  # the innermost frame in the file itself, not in importlib or in what the file imports
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.abspath(f.filename) == os.path.abspath(path)]
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == here]
         line, code = (frames[-1].lineno, frames[-1].line) if frames else (None, "")
     where = f"line {line} ({code!r})" if code else f"line {line}"
     return f"{where}: {type(e).__name__}: {e}"
@@ -227,13 +207,13 @@ def load_reward_fn(spec: str | None):
 
 def normalize_result(result, fn_name: str) -> dict:
     """A reward function's float/int/bool or dict -> {score: float, acc: bool, pred}; anything else is an error."""
-    hint = "it should return a finite number or a dict with a finite 'score' (optional 'acc', 'pred')"
     out = dict(result) if isinstance(result, dict) else {"score": result}
     score = out.get("score")
     if hasattr(score, "item"):
         score = score.item()  # numpy / torch scalars
     if not isinstance(score, (int, float)) or not math.isfinite(score):
-        raise RewardError(f"reward function {fn_name} returned {repr(result)[:200]}; {hint}")
+        raise RewardError(f"reward function {fn_name} returned {repr(result)[:200]}; it should return a finite "
+                          "number or a dict with a finite 'score' (optional 'acc', 'pred')")
     acc = out.get("acc", score > 0)
     return {"score": float(score), "acc": bool(acc), "pred": out.get("pred")}
 
@@ -254,31 +234,16 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
 # -----------------------------------------------------------------------------
 # scoring a batch in worker processes, with a per-response timeout
 #
-# A response fails when its reward function raises, returns something unusable, or kills its worker
-# (os._exit, a signal, a segfault): it scores 0 and counts in num_errors. One that runs past timeout_s
-# scores 0 and counts in num_timeouts. A call in which every response failed with an error raises
-# RewardError (the function is broken, not the data); timeouts never raise, since slowness depends on
-# load and the knob is timeout_s.
+# A response whose reward function raises, returns something unusable or kills its worker (os._exit, a signal,
+# a segfault) scores 0 and counts in num_errors; one that runs past timeout_s scores 0 and counts in num_timeouts.
+# Errors on every response of a call raise RewardError (the function is broken, not the data); timeouts never
+# do, since slowness depends on load and its knob is timeout_s.
 
 _FAILED = {"score": 0.0, "acc": False, "pred": None}  # the result of a response that failed or timed out
 _STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter plus the custom file's own imports
 _PARENT_POLL_S = 0.5  # how often a worker checks that the trainer is still its parent
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _describe_exception(e: BaseException) -> str:
-    """"ZeroDivisionError: msg (file.py:17 in fn)": the exception and the innermost frame that raised it."""
-    frames = traceback.extract_tb(e.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(e).__name__}: {e}{where}"
-
-
-def _describe_exit(returncode: int) -> str:
-    """Popen's returncode in words: "exit code 3", "killed by signal SIGSEGV"."""
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    names = {s.value: s.name for s in signal.Signals}
-    return f"killed by signal {names.get(-returncode, -returncode)}"
+_SIGNAL_NAMES = {s.value: s.name for s in signal.Signals}
 
 
 def _score_one(fn, fn_name: str, item) -> tuple[dict | None, str | None]:
@@ -290,18 +255,10 @@ def _score_one(fn, fn_name: str, item) -> tuple[dict | None, str | None]:
         return normalize_result(result, fn_name), None
     except RewardError as e:
         return None, str(e)
-    except Exception as e:
-        return None, f"reward function {fn_name} raised {_describe_exception(e)}"
-
-
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when the parent thread that started it exits; elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # no libc symbols to load (static or unusual builds)
-        pass
+    except Exception as e:  # named with the innermost frame that raised it
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        return None, (f"reward function {fn_name} raised {type(e).__name__}: {e} "
+                      f"({frame.filename}:{frame.lineno} in {frame.name})")
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -314,21 +271,24 @@ def _watch_parent(parent_pid: int) -> None:
 def _worker_main(fd: int, spec: str | None, parent_pid: int) -> None:
     """A worker's loop: load the reward function, then score chunks, reporting each item as it finishes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
-    # die with the trainer even when it is SIGKILLed; the thread also covers systems without prctl and a
-    # parent that died before prctl ran
-    _set_parent_death_signal()
+    # die with the trainer even when it is SIGKILLed: Linux's parent-death signal, plus a watchdog thread for
+    # systems without prctl and for a parent that died before prctl ran
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # no libc symbols to load (static or unusual builds)
+            pass
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = multiprocessing.connection.Connection(fd)
     fn, fn_name = load_reward_fn(spec), spec or "compute_score"
-    conn.send(("ready",))
+    conn.send("ready")
     while True:
         try:
             chunk = conn.recv()
         except EOFError:  # the trainer closed the pipe or exited
             return
-        for i, item in chunk:
-            result, failure = _score_one(fn, fn_name, item)
-            conn.send(("result", i, result) if failure is None else ("failed", i, failure))
+        for item in chunk:
+            conn.send(_score_one(fn, fn_name, item))
 
 
 class _Worker:
@@ -372,11 +332,10 @@ class _Call:
 
 
 class RewardScorer:
-    """Scores (data_source, solution_str, ground_truth, extra_info) items in a pool of worker processes so
-    that a response that hangs (a pathological regex, a stuck custom function) can be killed after
-    timeout_s, and one that crashes its worker costs only that response. num_workers=0 scores inline in
-    this process: no timeout, but a debugger works. Create it on a thread that outlives it: Linux's
-    parent-death signal follows the creating thread."""
+    """Scores (data_source, solution_str, ground_truth, extra_info) items in worker processes, so that a
+    response that hangs (a pathological regex, a stuck custom function) is killed after timeout_s and one that
+    crashes its worker costs only that response. num_workers=0 scores inline: no timeout, but a debugger
+    works. Create it on a thread that outlives it: Linux's parent-death signal follows the creating thread."""
 
     def __init__(self, reward_fn: str | None = None, num_workers: int = 4, timeout_s: float = 10.0):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -390,9 +349,9 @@ class RewardScorer:
         self.workers = [_Worker(reward_fn) for _ in range(num_workers)]  # started once, reused every batch
 
     def score(self, items) -> tuple[list[dict], dict]:
-        """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they
-        ran past timeout_s, or because the reward function failed on them. Prints one warning line per call
-        with errors; raises RewardError when every response failed with an error."""
+        """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they ran
+        past timeout_s or the reward function failed on them. One warning line per call with errors;
+        RewardError when every response failed with an error."""
         if self.workers is None:
             raise RuntimeError("RewardScorer.score() after close()")
         call = _Call(list(items))
@@ -403,7 +362,13 @@ class RewardScorer:
                     call.fail(i, "num_errors", why)
         else:
             self._score_in_workers(call)
-        self._report(call)
+        n, num_errors = len(call.items), call.stats["num_errors"]
+        if num_errors == n > 0:
+            raise RewardError(f"scoring failed for all {n} responses of this call; the first: {call.errors[0]}. "
+                              "Fix the function; RewardScorer(num_workers=0) runs it inline for a debugger")
+        if num_errors:
+            print(f"warning: {num_errors} of {n} responses scored 0 because scoring failed; the first: "
+                  f"{call.errors[0]}", file=sys.stderr, flush=True)
         return call.results, call.stats
 
     def _score_in_workers(self, call: _Call) -> None:
@@ -434,7 +399,7 @@ class RewardScorer:
     def _send(self, w: _Worker, chunk: deque, call: _Call, todo: deque) -> None:
         w.chunk, w.deadline = chunk, time.monotonic() + self.timeout_s
         try:
-            w.conn.send([(i, call.items[i]) for i in chunk])
+            w.conn.send([call.items[i] for i in chunk])
         except OSError:  # it died while idle: no response to blame, a fresh worker takes the chunk
             self._replace(w, call, todo, None)
 
@@ -443,21 +408,21 @@ class RewardScorer:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            returncode = w.stop(grace_s=1.0)
+            rc = w.stop(grace_s=1.0)  # Popen's returncode: -N for signal N
+            status = f"exit code {rc}" if rc >= 0 else f"killed by signal {_SIGNAL_NAMES.get(-rc, -rc)}"
             if not w.ready:
-                raise RewardError(f"a reward worker for {self.fn_name} exited during start-up "
-                                  f"({_describe_exit(returncode)}); its error is printed above; "
-                                  "num_workers=0 runs it inline") from None
-            why = f"reward function {self.fn_name} killed its worker process ({_describe_exit(returncode)})"
+                raise RewardError(f"a reward worker for {self.fn_name} exited during start-up ({status}); its "
+                                  "error is printed above; num_workers=0 runs it inline") from None
+            why = f"reward function {self.fn_name} killed its worker process ({status})"
             return self._replace(w, call, todo, "num_errors", why)
-        if msg[0] == "ready":
+        if msg == "ready":
             w.ready = True
             return
-        i = w.chunk.popleft()
-        if msg[0] == "result":
-            call.results[i] = msg[2]
+        (result, why), i = msg, w.chunk.popleft()
+        if why is None:
+            call.results[i] = result
         else:
-            call.fail(i, "num_errors", msg[2])
+            call.fail(i, "num_errors", why)
         w.deadline = time.monotonic() + self.timeout_s  # the next response's clock starts now
 
     def _replace(self, w: _Worker, call: _Call, todo: deque, counter: str | None, why: str | None = None) -> None:
@@ -470,16 +435,6 @@ class RewardScorer:
             todo.appendleft(w.chunk)
         w.chunk = deque()
         self.workers[self.workers.index(w)] = _Worker(self.spec)
-
-    def _report(self, call: _Call) -> None:
-        n, num_errors = len(call.items), call.stats["num_errors"]
-        if num_errors == 0:
-            return
-        if num_errors == n:
-            raise RewardError(f"scoring failed for all {n} responses of this call; the first: {call.errors[0]}. "
-                              "Fix the function; RewardScorer(num_workers=0) runs it inline for a debugger")
-        print(f"warning: {num_errors} of {n} responses scored 0 because scoring failed; the first: "
-              f"{call.errors[0]}", file=sys.stderr, flush=True)
 
     def kill(self) -> None:
         """SIGKILL every worker and return without waiting: for a signal handler right before os._exit."""
