@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from model import AttnBatch, load_config, pack_sequences
+from model import AttnBatch, copy_hf_tensor, hf_targets, hf_tensors, load_config, pack_sequences
 
 
 @dataclass
@@ -111,12 +111,17 @@ class TorchEngine:
 
     # the engine interface ------------------------------------------------------
     def load_weights(self, buckets, version: int) -> int:
-        """Copy buckets of (HF name, tensor) into the model (when it is a separate copy); -> bytes copied."""
-        params, nbytes = dict(self.model.named_parameters()), 0
+        """Copy buckets of (name, tensor) into the model (when it is a separate copy); names are the model's own
+        (an expert stack in one piece) or HF's (one tensor per expert and projection). -> bytes copied."""
+        params, targets, nbytes = dict(self.model.named_parameters()), None, 0
         with torch.no_grad():
             for bucket in buckets:
                 for name, t in bucket:
-                    params[name].copy_(t)
+                    if name in params:
+                        params[name].copy_(t)
+                    else:
+                        targets = targets or hf_targets(self.model)
+                        copy_hf_tensor(*targets[name], t)
                     nbytes += t.numel() * t.element_size()
         self.weights_version = version
         return nbytes
@@ -408,14 +413,16 @@ class VLLMEngine:
         self.awake.update(tags)
 
     def load_weights(self, buckets, version: int) -> int:
-        """Feed buckets of (HF name, full tensor) to vLLM's load_weights, which fuses q/k/v and gate/up and
-        keeps its own TP slice; each bucket is dropped once loaded. -> bytes pushed."""
+        """Feed buckets of (name, full tensor) to vLLM's load_weights in HF's names (hf_tensors: an expert stack
+        becomes one view per expert and projection, no copy); vLLM fuses q/k/v, gate/up and the experts and keeps
+        its own TP slice; each bucket is dropped once loaded. -> bytes pushed."""
         self.wake_up(["weights"])
         nbytes = 0
         for bucket in buckets:
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            self.llm.collective_rpc(lambda worker, b=bucket: worker.model_runner.model.load_weights(iter(b)))
-            del bucket
+            hf = [pair for name, t in bucket for pair in hf_tensors(name, t)]
+            self.llm.collective_rpc(lambda worker, b=hf: worker.model_runner.model.load_weights(iter(b)))
+            del bucket, hf
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
         self.weights_version = version
         return nbytes

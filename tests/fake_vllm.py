@@ -2,9 +2,10 @@
 
 It behaves like the real engine where the trainer depends on it: a max_model_len above the model's
 max_position_embeddings is refused, "dummy" random weights at start, sleep(2) destroys the weights,
-load_weights takes HF-named full tensors, each request is sampled with its own seed, and the sampled token's
-log-prob comes back per position. It records every call, so the CPU tests can check
-the engine's bookkeeping and the trainer's choreography (wake, push, generate, sleep) without a GPU."""
+load_weights takes full tensors in HF's names only (an expert stack as one tensor per expert and projection),
+each request is sampled with its own seed, and the sampled token's log-prob comes back per position. It records
+every call, so the CPU tests can check the engine's bookkeeping and the trainer's choreography (wake, push,
+generate, sleep) without a GPU."""
 import importlib.machinery
 import os
 import sys
@@ -60,11 +61,13 @@ class LLM:
 
     def _load(self, weights):
         assert "weights" in self.awake, "load_weights while the weights are asleep"
-        params = dict(self.model.named_parameters())
+        targets = M.hf_targets(self.model)  # HF names only, as vLLM's own modules are named
         names = []
         with torch.no_grad():
             for name, t in weights:
-                params[name].copy_(t)
+                if name not in targets:
+                    raise KeyError(f"{name!r} is not an HF tensor name of this model")
+                M.copy_hf_tensor(*targets[name], t)
                 names.append(name)
         self.calls.append(("load", tuple(names)))
 

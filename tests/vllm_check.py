@@ -5,6 +5,10 @@ tests/test_vllm_gpu.py (and on the CPU, against tests/fake_vllm.py, by tests/tes
     torchrun --nproc-per-node 1 tests/vllm_check.py MODEL_DIR [--gen_tp 1] [--out result.json]
     torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 2     # one engine over 2 GPUs
     torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 1     # two engines
+    torchrun --nproc-per-node 1 tests/vllm_check.py MODEL_DIR --random_moe 4  # writes MODEL_DIR first
+
+--random_moe N writes a random Qwen3-30B-A3B-shaped model cut to N layers (write_random_moe: model.py's classes,
+save_pretrained, the demo's tokenizer files) into MODEL_DIR before the checks, so no download is needed.
 
 Prompts: the chat-templated prompts of a parquet file (default: the demo's validation set), cut from the left
 to --max_prompt_length, or to what --max_tokens leaves of the model's max_position_embeddings where that is
@@ -18,12 +22,13 @@ Checks, each a line "PASS|FAIL name: figures", and a JSON of the figures:
     (>= 90%), another seed other samples (<= 50% equal), and the n samples of a group differ (T=2)
  2. greedy: vLLM's first 8 tokens == the built-in engine's (bf16 copy) for most prompts (fraction reported)
  3. sleep(2) -> wake -> push of the same weights: greedy outputs == those before sleep, exactly
- 4. push of changed weights: greedy outputs change
+ 4. push of changed weights (an MoE's experts only): greedy outputs change
  5. generating with a stale version raises StaleWeightsError; bytes and seconds of a push
 """
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -37,13 +42,29 @@ import rollout as R  # noqa: E402
 import train_dapo as T  # noqa: E402
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_random_moe(path: str, device, seed: int = 0, **overrides) -> M.ModelConfig:
+    """A random bf16 Qwen3-MoE model directory: qwen3-30b-a3b's config with overrides (e.g. num_hidden_layers=4),
+    drawn on `device` by model.py, written by save_pretrained in HF's per-expert names, with the demo's tokenizer
+    files (a few hundred ids, inside the vocabulary)."""
+    cfg = M.ModelConfig.from_hf({**M.KNOWN_CONFIGS["qwen3-30b-a3b"], **overrides})
+    with torch.device(device):
+        model = M.Transformer(cfg).init_weights(seed=seed).to(torch.bfloat16)
+    M.save_pretrained(model, path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(ROOT, "demo", "model", f), path)
+    return cfg
+
+
 def main(argv=None) -> bool:
     """-> whether every check passed."""
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--gen_tp", type=int, default=1)
-    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                   "demo", "data", "val.parquet"))  # prompts, verl schema
+    ap.add_argument("--data", default=os.path.join(ROOT, "demo", "data", "val.parquet"))  # prompts, verl schema
+    ap.add_argument("--random_moe", type=int, default=0)  # > 0: write a random MoE of this many layers first
     ap.add_argument("--num_prompts", type=int, default=64)
     ap.add_argument("--max_prompt_length", type=int, default=512)  # at most; less where the model's limit says so
     ap.add_argument("--max_tokens", type=int, default=128)
@@ -51,12 +72,16 @@ def main(argv=None) -> bool:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")  # cpu: only against tests/fake_vllm.py
     a = ap.parse_args(argv)
+    dims = parallel.init_distributed(a.device)
+    if a.random_moe > 0:
+        if dims.is_main:
+            write_random_moe(a.model_dir, dims.device, num_hidden_layers=a.random_moe)
+        parallel.barrier(dims)
     limit = M.load_config(a.model_dir).max_position_embeddings
     if a.max_tokens >= limit:
         ap.error(f"--max_tokens {a.max_tokens} leaves no room for a prompt in max_position_embeddings={limit}")
     max_prompt_length = min(a.max_prompt_length, limit - a.max_tokens)
     max_model_len = max_prompt_length + a.max_tokens
-    dims = parallel.init_distributed(a.device)
     log = print if dims.is_main else (lambda *x, **k: None)
     t0 = time.perf_counter()
     engine = R.VLLMEngine(a.model_dir, gen_tp=a.gen_tp, gpu_memory_utilization=0.3,
@@ -154,9 +179,9 @@ def main(argv=None) -> bool:
     after = [c[0].token_ids for c in engine.generate(mine, greedy, version=0)]
     check("sleep_wake_push_same", after == before, equal=sum(x == y for x, y in zip(after, before)), of=len(mine))
 
-    # 4. changed weights change the outputs
+    # 4. changed weights change the outputs (of an MoE, only its experts change: they must reach the engine)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in [p for n, p in model.named_parameters() if ".experts." in n] or list(model.parameters()):
             p.add_(torch.randn_like(p) * p.float().std().clamp(min=1e-3))
     push(1)
     changed = [c[0].token_ids for c in engine.generate(mine, greedy, version=1)]

@@ -1,0 +1,118 @@
+"""Weight pushes of a Qwen3-MoE into the engines on the CPU: vLLM (tests/fake_vllm.py, which like vLLM takes HF
+names only) receives every expert as its own HF tensor, a view of the trainer's stack, and then holds exactly the
+trainer's weights; the built-in engine takes nanodapo's or HF's names; tests/vllm_check.py on a random MoE."""
+import json
+import os
+
+import pytest
+import torch
+
+import fake_vllm
+import model as M
+import parallel
+import rollout as R
+import vllm_check
+
+# a tiny Qwen3-MoE in the demo tokenizer's vocabulary (270 ids); 6 experts, top-2
+TINY_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=272, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256, num_experts=6,
+                num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)
+PROMPTS = [[10, 11, 12, 13], [40, 41], [100, 7, 8, 9, 200]]
+GREEDY = R.SamplingParams(n=1, temperature=0, max_tokens=10)
+
+
+def hf_expert_names(layers, experts):
+    return {f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+            for i in range(layers) for e in range(experts) for proj in ("gate_proj", "up_proj", "down_proj")}
+
+
+def greedy(model):
+    return [c[0].token_ids for c in R.TorchEngine(model, use_cuda_graph=False).generate(PROMPTS, GREEDY)]
+
+
+def perturb_experts(model):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".experts." in n:
+                p.add_(torch.randn_like(p) * p.std())
+
+
+@pytest.fixture
+def moe_dir(tmp_path, monkeypatch):
+    monkeypatch.setitem(M.KNOWN_CONFIGS, "qwen3-30b-a3b", TINY_MOE)
+    path = str(tmp_path / "moe")
+    vllm_check.write_random_moe(path, "cpu", seed=3)
+    return path
+
+
+def test_vllm_push_gives_the_engine_the_trainers_experts_as_hf_views(monkeypatch, moe_dir):
+    fake_vllm.install(monkeypatch)
+    received = []
+    load = fake_vllm.LLM._load
+    monkeypatch.setattr(fake_vllm.LLM, "_load", lambda self, w: load(self, (received.append(x) or x for x in w)))
+    trainer = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    engine = R.VLLMEngine(moe_dir, max_model_len=64)
+    llm = engine.llm
+    engine.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=0)
+
+    names = [n for n, _ in received]
+    assert len(names) == len(set(names))
+    assert {n for n in names if ".experts." in n} == hf_expert_names(2, 6)  # 2 layers x 6 experts x 3
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    stack = trainer.model.layers[1].mlp.experts.gate_up_proj
+    for e in range(6):  # expert e's gate rows, then its up rows, of the stack [E, 2I, H]; views, not copies
+        gate, up = (dict(received)[f"model.layers.1.mlp.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj"))
+        assert torch.equal(gate, stack[e, :24]) and torch.equal(up, stack[e, 24:])
+        assert gate.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+    ours = dict(llm.model.named_parameters())
+    assert all(torch.equal(ours[n], p) for n, p in trainer.named_parameters())
+
+    engine.wake_up(["kv_cache"])
+    out = [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY, version=0)]
+    assert out == greedy(trainer)
+
+    perturb_experts(trainer)  # only the experts change: the outputs change only if they are pushed
+    engine.sleep()
+    engine.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=1)
+    engine.wake_up(["kv_cache"])
+    changed = [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY, version=1)]
+    assert changed != out and changed == greedy(trainer)
+
+
+def test_fake_vllm_refuses_a_stacked_expert_name_as_vllm_has_no_such_tensor(monkeypatch, moe_dir):
+    fake_vllm.install(monkeypatch)
+    llm = fake_vllm.LLM(model=moe_dir)
+    with pytest.raises(KeyError, match="experts.gate_up_proj' is not an HF tensor name"):
+        llm._load([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(6, 48, 64))])
+
+
+@pytest.mark.parametrize("rename", [None, M.hf_tensors])
+def test_builtin_engine_loads_moe_weights_by_model_or_hf_names(moe_dir, rename):
+    trainer = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    perturb_experts(trainer)
+    copy = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    engine = R.TorchEngine(copy, use_cuda_graph=False, shares_weights=False)
+    buckets = [[(hf, t) for n, p in trainer.named_parameters()
+                for hf, t in (rename(n, p.detach()) if rename else [(n, p.detach())])]]
+    nbytes = engine.load_weights(buckets, version=1)
+    assert nbytes == sum(p.numel() * 4 for p in trainer.parameters())
+    assert all(torch.equal(q, p) for q, p in zip(copy.parameters(), trainer.parameters()))
+    assert [c[0].token_ids for c in engine.generate(PROMPTS, GREEDY, version=1)] == greedy(trainer)
+
+
+def test_vllm_check_writes_and_passes_on_a_random_moe_against_the_fake(monkeypatch, tmp_path, capsys):
+    """--random_moe N: a random model of qwen3-30b-a3b's config (here the tiny one) cut to N layers, written
+    with the demo's tokenizer, then every check, against the fake."""
+    monkeypatch.setitem(M.KNOWN_CONFIGS, "qwen3-30b-a3b", TINY_MOE)
+    fake_vllm.install(monkeypatch)
+    path, out = str(tmp_path / "moe"), tmp_path / "result.json"
+    ok = vllm_check.main([path, "--random_moe", "1", "--device", "cpu", "--num_prompts", "4", "--max_tokens", "12",
+                          "--out", str(out)])
+    assert ok, capsys.readouterr().out
+    cfg = M.check_weights(path)
+    assert (cfg.num_hidden_layers, cfg.num_experts) == (1, 6)
+    assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "model.safetensors",
+                                        "tokenizer.json", "tokenizer_config.json"]
+    results = json.loads(out.read_text())
+    assert all(r["pass"] for k, r in results.items() if k != "figures") and len(results) == 7
