@@ -8,6 +8,7 @@ import torch
 
 import model as M
 import parallel
+import plan
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
@@ -49,8 +50,8 @@ def test_sequence_parallel_matches_single_process(model_dirs, tmp_path, mode, np
     for key in ("logp", "entropy", "logp_no_grad", "logits"):
         assert (got[key] - ref[key]).abs().max().item() < 1e-5, key
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
-    # FSDP averages over the fsdp_size ranks and each scaled its loss by fsdp_size: the SP ranks' partial
-    # gradients (each from its own tokens) must add up to the single process's
+    # FSDP sums gradients over the fsdp_size ranks: the SP ranks' partial gradients (each from its own tokens)
+    # must add up to the single process's
     assert max(ref["grads"][k].abs().max().item() for k in ref["grads"]) > 1e-2  # large enough to see a 2x error
     assert max_diff(ref["grads"], got["grads"]) < 1e-6
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
@@ -111,8 +112,8 @@ def test_memory_plan_divides_activations_by_sp():
     """tests/test_configs.py's tiny model by hand, at world 8 = dp 2 x sp 2 x tp 2."""
     from test_configs import GiB, plan_bytes, tiny_cfg, tiny_model
     with_sp = lambda **kw: tiny_cfg(**kw, sp_size=2)  # noqa: E731
-    base = plan_bytes(parallel.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0))
-    p = parallel.memory_plan(with_sp(), tiny_model(), 8, 80, runtime_gib=0)
+    base = plan_bytes(plan.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0))
+    p = plan.memory_plan(with_sp(), tiny_model(), 8, 80, runtime_gib=0)
     b = plan_bytes(p)
     assert (p["dp"], p["sp"], p["tp"]) == (2, 2, 2)
     # FSDP shards over dp x sp = 4 ranks, as over dp = 4 without SP: 2*36,992/8 + 128,320/4 = 41,328 params a GPU
@@ -121,13 +122,13 @@ def test_memory_plan_divides_activations_by_sp():
     # 2 x 64 = 128 tokens a micro-batch, 64 on each SP rank: block inputs 64 * 64 * 2 bytes * 2 layers + 64 * 1,792
     assert b["activations"] == 16_384 + 64 * 1_792 == base["activations"] // 2
     assert b["logprob_buffer"] == base["logprob_buffer"] == 16 * 1000 * 12  # chunk 16 < 64 tokens
-    p = parallel.memory_plan(with_sp(logprob_chunk=100), tiny_model(), 8, 80, runtime_gib=0)
+    p = plan.memory_plan(with_sp(logprob_chunk=100), tiny_model(), 8, 80, runtime_gib=0)
     assert round(p["gib"]["logprob_buffer"] * GiB) == 64 * 1000 * 12  # a chunk holds only this GPU's 64 tokens
     # use_dynamic_bsz: the budget stays per GPU (verl's convention), so a micro-batch holds budget x sp tokens
-    p = parallel.memory_plan(with_sp(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), tiny_model(), 8, 80,
+    p = plan.memory_plan(with_sp(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), tiny_model(), 8, 80,
                              runtime_gib=0)
     assert p["tokens_per_micro_batch"] == 512
     assert round(p["gib"]["activations"] * GiB) == 256 * 64 * 2 * 2 + 256 * 1_792
-    text = parallel.format_memory_plan([p])
+    text = plan.format_memory_plan([p])
     assert "world 8 = dp 2 x sp 2 x tp 2, 512 tokens per update micro-batch (256 per GPU)" in text
-    assert "sp_size" in parallel._memory_knob("activations", with_sp(), True)  # with checkpointing on
+    assert "sp_size" in plan._memory_knob("activations", with_sp(), True)  # with checkpointing on
