@@ -62,7 +62,7 @@ class Config:
     train_files: list[str] = field(default_factory=lambda: ["demo/data/train.parquet"])  # parquet, verl schema
     val_files: list[str] = field(default_factory=lambda: ["demo/data/val.parquet"])  # [] = no validation
     prompt_key: str = "prompt"  # column holding the chat messages
-    chat_template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables, e.g. {"enable_thinking": False}
+    chat_template_kwargs: dict = field(default_factory=dict)  # template variables, e.g. {"enable_thinking": False}
     max_prompt_length: int = 512  # templated prompt tokens
     max_response_length: int = 1024  # generated tokens per response
     truncation: str = "error"  # overlong prompt: error | left | right | middle
@@ -357,7 +357,8 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
         texts = [t[:-len(eos)] if eos and t.endswith(eos) else t for t in texts]  # a trailing EOS is not the answer
         results, counts = scorer.score([(p["data_source"], t, p["ground_truth"], p["extra_info"])
                                         for (p, _), t in zip(comps, texts)])
-    rollout_logp, mask = torch.zeros(len(comps), cfg.max_response_length), torch.zeros(len(comps), cfg.max_response_length)
+    rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
+    mask = torch.zeros_like(rollout_logp)
     for i, (_, c) in enumerate(comps):
         rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs)
         mask[i, :len(c.token_ids)] = 1
@@ -566,7 +567,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 logp, ent = logp.float(), ent.float()
                 rollout_logp = traj.rollout_logp[mb].to(device)
                 old_logp = logp.detach() if on_policy else traj.old_logp[mb].to(device)
-                tis = truncated_is_weight(old_logp, rollout_logp, cfg.tis_imp_ratio_cap) if cfg.tis_imp_ratio_cap > 0 else None
+                tis = (truncated_is_weight(old_logp, rollout_logp, cfg.tis_imp_ratio_cap)
+                       if cfg.tis_imp_ratio_cap > 0 else None)
                 agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length, count=count)
                 pg_loss, m = policy_loss(logp=logp, old_logp=old_logp, adv=traj.adv[mb].to(device), response_mask=mask,
                                          clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
@@ -731,8 +733,8 @@ def train(cfg: Config):
         consecutive_skips = consecutive_skips + 1 if all_skipped else 0
         if consecutive_skips >= cfg.max_consecutive_skips:
             raise RunError(f"{consecutive_skips} steps in a row had a non-finite loss or gradient norm and were "
-                           f"skipped (max_consecutive_skips={cfg.max_consecutive_skips}); lower lr, check grad_clip and "
-                           f"the data, or resume from an earlier checkpoint")
+                           f"skipped (max_consecutive_skips={cfg.max_consecutive_skips}); lower lr, check grad_clip "
+                           "and the data, or resume from an earlier checkpoint")
         if float(metrics.get("rollout/logp_mismatch", 0.0)) > cfg.logp_mismatch_warn:
             log(f"warning: rollout/logp_mismatch={float(metrics['rollout/logp_mismatch']):.3g} > logp_mismatch_warn="
                 f"{cfg.logp_mismatch_warn}: engine and trainer disagree on log-probs (precision, weights?)")
@@ -882,15 +884,15 @@ def apply_optimizer_knobs(cfg: Config, optimizer, scheduler, log):
 def save(cfg: Config, run: Run, step: int):
     """Checkpoint (sharded model + optimizer, trainer state, an HF export), written atomically; prune old ones."""
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    if step == 0 or cfg.save_freq < 0 or f"step_{step}" in map(os.path.basename, parallel.complete_checkpoints(ckpt_root)):
+    path = os.path.join(ckpt_root, f"step_{step}")
+    if step == 0 or cfg.save_freq < 0 or os.path.isfile(os.path.join(path, "COMPLETE")):  # nothing new to save
         return
     state = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict()}
 
     def export(tmp):  # runs between the sharded write and the COMPLETE marker
         export_hf(run.model, tmp, run.dims, run.compute_dtype, source_dir=cfg.model_path)
         fault_point("checkpoint", step)
-    parallel.save_checkpoint(os.path.join(ckpt_root, f"step_{step}"), run.model, run.optimizer, state, run.dims,
-                             export)
+    parallel.save_checkpoint(path, run.model, run.optimizer, state, run.dims, export)
     parallel.prune_checkpoints(ckpt_root, cfg.keep_last, run.dims)
 
 
@@ -1174,6 +1176,7 @@ def world_size_for(cfg: Config) -> int:
 POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 ALL_OR_POSITIVE = (lambda v: v == -1 or v > 0, "-1 (all) or > 0")
+OFF_OR_POSITIVE = (lambda v: v == -1 or v > 0, "-1 (off) or > 0")
 KNOB_RANGES = {
     **{k: POSITIVE for k in (
         "train_batch_size", "gen_batch_size", "n", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
@@ -1186,7 +1189,7 @@ KNOB_RANGES = {
         "max_num_gen_batches", "reward_num_workers", "kl_loss_coef", "kl_coef", "overlong_penalty_factor",
         "log_val_generations", "cpu_threads", "val_temperature", "max_num_batched_tokens", "logp_mismatch_warn")},
     "train_max_samples": ALL_OR_POSITIVE, "val_max_samples": ALL_OR_POSITIVE,
-    "top_k": (lambda v: v == -1 or v > 0, "-1 (off) or > 0"), "val_top_k": (lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
+    "top_k": OFF_OR_POSITIVE, "val_top_k": OFF_OR_POSITIVE,
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"), "save_freq": (lambda v: v >= -1, ">= -1 (-1 = never)"),
     "clip_ratio_low": (lambda v: 0 <= v < 1, "in [0, 1)"), "clip_ratio_high": NON_NEGATIVE,
@@ -1251,7 +1254,8 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     need(world_size % cfg.gen_tp == 0,
          f"gen_tp={cfg.gen_tp} must divide the world size {world_size} (world_size / gen_tp vLLM engines)")
     need(cfg.resume in ("auto", "disable") or os.path.isdir(cfg.resume),
-         f"resume={cfg.resume!r}: use 'auto', 'disable' or the path of a checkpoint directory (out_dir/checkpoints/step_N)")
+         f"resume={cfg.resume!r}: use 'auto', 'disable' or the path of a checkpoint directory "
+         "(out_dir/checkpoints/step_N)")
     if not check_files:
         return
     try:
@@ -1288,8 +1292,8 @@ def validate_model_dir(cfg: Config, world_size: int):
     context = cfg.max_prompt_length + cfg.max_response_length
     if context > model_cfg.max_position_embeddings:
         raise ConfigError(f"max_prompt_length + max_response_length = {context} exceeds the model's context, "
-                          f"max_position_embeddings={model_cfg.max_position_embeddings} in {cfg.model_path}/config.json;"
-                          f" shorten max_prompt_length or max_response_length")
+                          f"max_position_embeddings={model_cfg.max_position_embeddings} in "
+                          f"{cfg.model_path}/config.json; shorten max_prompt_length or max_response_length")
 
 
 def validate_out_dir(cfg: Config):
