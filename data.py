@@ -10,6 +10,7 @@ A row (the schema verl's data preprocessors write, so their parquet files load u
 import json
 import math
 import os
+import traceback
 from datetime import datetime
 
 import numpy as np
@@ -20,7 +21,6 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")  # "prompt" stands for prompt_key
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 SCHEMA = "verl's schema needs data_source, prompt, reward_model.ground_truth"
 SCHEMA_HINT = SCHEMA + "; convert with `python tools/prepare_data.py jsonl2parquet`"
@@ -32,7 +32,7 @@ class DataError(ValueError):
 
 def required_columns(prompt_key):
     """The columns every file needs, with the prompt column named by prompt_key."""
-    return [prompt_key if c == "prompt" else c for c in REQUIRED_COLUMNS]
+    return ["data_source", prompt_key, "reward_model"]
 
 # -----------------------------------------------------------------------------
 # reading parquet in verl's schema
@@ -120,10 +120,9 @@ def truncate(ids, max_len, mode):
 
 def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, truncation="error",
                  filter_overlong_prompts=False, max_samples=-1, chat_template_kwargs: dict | None = None):
-    """Read parquet files in verl's schema (concatenated in order) and tokenize with the chat template.
-
-    Each item: {prompt_ids, data_source, ground_truth, extra_info, messages}. Overlong prompts are
-    dropped first (filter_overlong_prompts), then the first max_samples kept, then truncated.
+    """Read parquet files in verl's schema (concatenated in order) and tokenize with the chat template. Each item:
+    {prompt_ids, data_source, ground_truth, extra_info, messages}. Overlong prompts are dropped first
+    (filter_overlong_prompts), then the first max_samples kept, then truncated.
     chat_template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} (Qwen3)."""
     if truncation not in TRUNCATION_MODES:
         raise DataError(f"unknown truncation mode {truncation!r}; use one of {TRUNCATION_MODES}")
@@ -131,39 +130,36 @@ def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, tr
         raise DataError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
     files = [files] if isinstance(files, str) else list(files)
     check_parquet_schema(files, prompt_key)
-    items, places, seen = [], [], 0
+    items, seen = [], 0
     limit = max_samples if max_samples > 0 else math.inf
     for f in files:
         if len(items) >= limit:
             break  # enough rows: skip reading and tokenizing the rest
         schema = pq.read_schema(f)
         cols = [c for c in ("data_source", prompt_key, "reward_model", "extra_info") if c in schema.names]
-        gt_type = schema.field("reward_model").type.field("ground_truth").type
+        float32_gt = pa.types.is_float32(schema.field("reward_model").type.field("ground_truth").type)
         for r, row in enumerate(pq.read_table(f, columns=cols).to_pylist()):
             if len(items) >= limit:
                 break
             seen += 1
-            item = parse_row(row, f"{f} row {r}", prompt_key, float32_ground_truth=pa.types.is_float32(gt_type))
-            item["prompt_ids"] = list(tokenizer.apply_chat_template(
+            item = parse_row(row, f"{f} row {r}", prompt_key, float32_ground_truth=float32_gt)
+            ids = list(tokenizer.apply_chat_template(
                 item["messages"], add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})))
-            if filter_overlong_prompts and len(item["prompt_ids"]) > max_prompt_length:
+            if len(ids) > max_prompt_length and filter_overlong_prompts:
                 continue
+            if len(ids) > max_prompt_length and truncation == "error":
+                raise DataError(
+                    f"{f} row {r}: prompt is {len(ids)} tokens after the chat template, longer than "
+                    f"max_prompt_length={max_prompt_length}; set filter_overlong_prompts=True to drop such "
+                    f"rows, or truncation=left/right/middle to cut them (or raise max_prompt_length)")
+            item["prompt_ids"] = truncate(ids, max_prompt_length, truncation)
             items.append(item)
-            places.append((f, r))
     if filter_overlong_prompts:
         print(f"filter_overlong_prompts: dropped {seen - len(items)} of {seen} prompts "
               f"longer than max_prompt_length={max_prompt_length} tokens")
         if not items:
             raise DataError(f"filter_overlong_prompts dropped all {seen} prompts in {files}; "
                             f"raise max_prompt_length or use truncation=left/right/middle instead")
-    for item, (f, r) in zip(items, places):
-        n = len(item["prompt_ids"])
-        if n > max_prompt_length and truncation == "error":
-            raise DataError(
-                f"{f} row {r}: prompt is {n} tokens after the chat template, longer than "
-                f"max_prompt_length={max_prompt_length}; set filter_overlong_prompts=True to drop such "
-                f"rows, or truncation=left/right/middle to cut them (or raise max_prompt_length)")
-        item["prompt_ids"] = truncate(item["prompt_ids"], max_prompt_length, truncation)
     return items
 
 
@@ -207,9 +203,7 @@ class PromptSampler:
             take = min(k - len(out), self.num_prompts - self.position)
             out += self._perm[self.position:self.position + take].tolist()
             self.position += take
-            if self.position == self.num_prompts:
-                # roll over now, not on the next call: `epoch` always names where the next index
-                # comes from, and a state saved at an epoch's end resumes at the next one (verl #5725)
+            if self.position == self.num_prompts:  # roll over now: a state saved here resumes at the next epoch
                 self._start(self.epoch + 1, 0)
         return out
 
@@ -228,11 +222,10 @@ class PromptSampler:
 # token-budget micro-batching (use_dynamic_bsz)
 
 def balanced_micro_batches(lengths, max_token_len, min_num_micro_batches=1):
-    """Split sequence indices into as few micro-batches as fit max_token_len tokens each, balanced.
-
-    Longest first, each into the currently lightest micro-batch (if that one cannot take it, none can,
-    so use one more micro-batch and start over). Indices ascending inside a micro-batch; micro-batches
-    heaviest first, so an out-of-memory shows up on the first one."""
+    """Split sequence indices into as few micro-batches as fit max_token_len tokens each, balanced: longest
+    first, each into the currently lightest micro-batch (if that one cannot take it, none can, so use one more
+    micro-batch and start over). Indices ascending inside a micro-batch; micro-batches heaviest first, so an
+    out-of-memory shows up on the first one."""
     for i, n in enumerate(lengths):
         if n > max_token_len:
             raise DataError(
@@ -275,37 +268,26 @@ def _read_json(path):
         raise DataError(f"{path} is not valid JSON ({e}); copy the file again from the model's source") from None
 
 
-def _token_str(t):
-    return t.get("content") if isinstance(t, dict) else t
-
-
-def _ids(value):
-    return [i for i in (value if isinstance(value, list) else [value]) if i is not None]
-
-
 def _eos_token_ids(tok, eos_token, generation_config, config):
-    """Generation stops at the tokenizer's eos_token plus generation_config.json's eos_token_id; without the
-    latter, config.json's (as transformers' GenerationConfig.from_model_config). Ids in that order, unique."""
-    eos = [tok.token_to_id(eos_token)] if eos_token is not None else []
+    """Generation stops at the tokenizer's eos_token plus generation_config.json's eos_token_id (an id or a list);
+    without the latter, config.json's (as transformers' GenerationConfig.from_model_config). Unique, in order."""
     extra = generation_config.get("eos_token_id")
     if extra is None:
         extra = config.get("eos_token_id")
-    return list(dict.fromkeys(i for i in eos + _ids(extra) if i is not None))
+    extra = extra if isinstance(extra, list) else [extra]
+    eos = tok.token_to_id(eos_token) if eos_token is not None else None
+    return list(dict.fromkeys(i for i in [eos, *extra] if i is not None))
 
 
 def _template_line(e):
     """The template line an exception was raised at: jinja rewrites tracebacks to point into '<template>'."""
-    if isinstance(e, TemplateSyntaxError):
-        return e.lineno
-    tb, line = e.__traceback__, None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<template>":
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return line
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
+    return lines[-1] if lines else None
 
 
 class Tokenizer:
+    """A tokenizers.Tokenizer with the special tokens, stop ids and chat template of a model directory."""
+
     def __init__(self, tok, chat_template: str | None, special: dict, eos_token_ids: list[int],
                  chat_template_file: str = "the chat template"):
         self.tok = tok  # tokenizers.Tokenizer
@@ -336,7 +318,8 @@ class Tokenizer:
         if os.path.isfile(jinja_path):
             with open(jinja_path) as f:
                 template, template_file = f.read(), jinja_path
-        special = {k: _token_str(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        special = {k: tc.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        special = {k: t.get("content") if isinstance(t, dict) else t for k, t in special.items()}  # AddedToken dicts
         eos = _eos_token_ids(tok, special["eos_token"], _read_json(os.path.join(path, "generation_config.json")),
                              _read_json(os.path.join(path, "config.json")))
         if not eos:

@@ -239,7 +239,6 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
 # Errors on every response of a call raise RewardError (the function is broken, not the data); timeouts never
 # do, since slowness depends on load and its knob is timeout_s.
 
-_FAILED = {"score": 0.0, "acc": False, "pred": None}  # the result of a response that failed or timed out
 _STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter plus the custom file's own imports
 _PARENT_POLL_S = 0.5  # how often a worker checks that the trainer is still its parent
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -325,7 +324,7 @@ class _Call:
         self.errors = []  # one line per response that failed with an error
 
     def fail(self, i: int, counter: str, why: str | None = None) -> None:
-        self.results[i] = dict(_FAILED)
+        self.results[i] = {"score": 0.0, "acc": False, "pred": None}
         self.stats[counter] += 1
         if why is not None:
             self.errors.append(f"{why} (data_source={self.items[i][0]!r})")
@@ -418,7 +417,8 @@ class RewardScorer:
         if msg == "ready":
             w.ready = True
             return
-        (result, why), i = msg, w.chunk.popleft()
+        result, why = msg
+        i = w.chunk.popleft()
         if why is None:
             call.results[i] = result
         else:
