@@ -3,10 +3,12 @@ and arithmetic parquet files in verl's schema. Everything is built in the test; 
 import json
 
 import pytest
+import torch
 
 import data
 import model as M
 import prepare_data
+import train_dapo as T
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -40,3 +42,21 @@ def tiny_dir(tmp_path_factory):
     data.write_parquet(prepare_data.make_arith_rows(64, "train", seed=0), str(root / "train.parquet"))
     data.write_parquet(prepare_data.make_arith_rows(16, "val", seed=0), str(root / "val.parquet"))
     return root
+
+
+def random_batch(vocab=40, n_traj=6, R=7, seed=0):
+    """A fixed batch of 6 trajectories (3 groups of 2) with response lengths 1..7, old log-probs and advantages:
+    the update tests' input, in one process and across ranks."""
+    g = torch.Generator().manual_seed(seed)
+    resp_lens = [1, 7, 3, 5, 2, 6][:n_traj]
+    prompts = [torch.randint(0, vocab, (3 + i,), generator=g).tolist() for i in range(n_traj)]
+    resps = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in resp_lens]
+    mask = torch.zeros(n_traj, R)
+    for i, L in enumerate(resp_lens):
+        mask[i, :L] = 1
+    return T.Trajectories(
+        prompt_ids=prompts, response_ids=resps, group_ids=torch.arange(n_traj) // 2,
+        rollout_logp=torch.zeros(n_traj, R), response_mask=mask, finish_reasons=["stop"] * n_traj,
+        data_sources=["x"] * n_traj, acc=torch.zeros(n_traj), score=torch.zeros(n_traj),
+        seq_reward=torch.zeros(n_traj), old_logp=torch.randn(n_traj, R, generator=g) * 0.1 - 3.0,
+        adv=torch.randn(n_traj, generator=g))

@@ -13,6 +13,7 @@ import torch
 import model as M
 import parallel
 import train_dapo as T
+from conftest import random_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,22 +179,6 @@ def test_no_filter_takes_the_first_round():
 
 # -----------------------------------------------------------------------------
 # token-mean over the whole mini-batch is exact whatever the micro-batch split
-
-
-def random_batch(vocab=40, n_traj=6, R=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    resp_lens = [1, 7, 3, 5, 2, 6][:n_traj]
-    prompts = [torch.randint(0, vocab, (3 + i,), generator=g).tolist() for i in range(n_traj)]
-    resps = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in resp_lens]
-    mask = torch.zeros(n_traj, R)
-    for i, L in enumerate(resp_lens):
-        mask[i, :L] = 1
-    return T.Trajectories(
-        prompt_ids=prompts, response_ids=resps, group_ids=torch.arange(n_traj) // 2,
-        rollout_logp=torch.zeros(n_traj, R), response_mask=mask, finish_reasons=["stop"] * n_traj,
-        data_sources=["x"] * n_traj, acc=torch.zeros(n_traj), score=torch.zeros(n_traj),
-        seq_reward=torch.zeros(n_traj), old_logp=torch.randn(n_traj, R, generator=g) * 0.1 - 3.0,
-        adv=torch.randn(n_traj, generator=g))
 
 
 def grads_after_update(cfg, traj, m=None):
