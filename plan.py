@@ -17,11 +17,12 @@ MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / g
     "runtime": ("resident", "CUDA context, NCCL, allocator slack"),
     "working": ("training", "unsharded compute-dtype weights"),
     "activations": ("training", "activations of one micro-batch"),
+    "a2a_buffers": ("training", "EP all-to-all send + receive rows"),
     "logprob_buffer": ("training", "fp32 logits of one logprob_chunk"),
     "kv_cache": ("generation", "KV cache of the built-in engine"),
     "vllm_asleep": ("resident", "vLLM asleep (graph pool, allocator)"),
     "vllm_awake": ("generation", "vLLM awake: utilization x GPU"),
-    "sync_bucket": ("generation", "one weight-push bucket"),
+    "sync_bucket": ("generation", "weight push: a bucket + one full param"),
 }
 
 
@@ -34,18 +35,20 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     "generation_gib", "peak_gib", "verdict": "fits" | "does not fit", "largest", "knob", "notes", ...}.
     peak = resident + max(training, generation): the KV cache is freed (engine.sleep) before the update starts.
 
-    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, sp = cfg.sp_size,
+    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, sp = cfg.sp_size, ep = cfg.ep_size,
     dp = world_size / (tp * sp) replicas, FSDP over fsdp = dp * sp ranks; w = 2 bytes, 4 for float32):
     - params 4, grads 4, AdamW 8 bytes/param, sharded by FSDP over fsdp and, for the q/k/v/o/gate/up/down weights,
-      by TP; embeddings, lm_head and norms are replicated over TP. param_offload or optimizer_offload moves all
+      by TP; embeddings, lm_head, norms and a MoE layer's router and experts are replicated over TP. Expert
+      stacks: 1/ep per EP rank, FSDP-sharded over fsdp / ep, so 1/fsdp per GPU with or without EP. param_offload or optimizer_offload moves all
       three to the host (FSDP2 offloads them together): counted in host_gib instead. World size 1 has no FSDP:
       full fp32 copies on the GPU, and offload does not apply.
     - ref_params: a second fp32 shard (same offload) when use_kl_loss or use_kl_in_reward.
     - engine_weights: world size > 1: the built-in engine generates from its own full copy of the weights
       (w bytes/param), which train() keeps on the GPU for the whole run. World size 1: it shares the trainer's.
     - working: FSDP all-gathers units in compute dtype: the root unit (embeddings, lm_head, final norm; kept
-      unsharded through forward and backward) plus one decoder block at a time, x2 for the prefetched next unit
-      and the unsharded gradients. World size 1: autocast's cached compute-dtype copy of every weight, w * P.
+      unsharded through forward and backward) plus one decoder block at a time (the larger kind: dense, or MoE
+      with its router and num_experts / ep experts), x2 for the prefetched next unit and the unsharded gradients.
+      World size 1: autocast's cached compute-dtype copy of every weight, w * P.
     - activations, for this GPU's tokens of one update micro-batch: the micro-batch's tokens / sp, as sequence
       parallelism gives each of its sp ranks 1/sp of them (attention's q, k, v: all tokens, 1/sp of the heads: the
       same bytes). A micro-batch is ppo_max_token_len_per_gpu * sp tokens with use_dynamic_bsz (verl's convention:
@@ -54,7 +57,11 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
       gate/up inputs 2h + 2h, flash attention's q, k and v (k, v repeated to all heads) and output 8q, the MLP's
       gate, up, silu(gate) and product 8i, and with Qwen3's q/k norms 6q + 6kv: 16h + 8q + 8i (+ 6q + 6kv),
       h = hidden, q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate; the q, kv and i parts are split
-      by TP, the h parts are not (tests/test_configs.py holds this against a measured peak).
+      by TP, the h parts are not (tests/test_configs.py holds this against a measured peak). A MoE layer's MLP
+      instead (not measured): each token's top-k rows through experts of width I, 8kI, the rows sorted by expert,
+      their outputs and those back in token order, 6kh, and the fp32 router logits and probabilities, 8E.
+    - a2a_buffers (ep > 1): one MoE layer's all-to-all, rows sent and received: 2 x tokens x k x h x w, for
+      balanced routing.
       gradient_checkpointing keeps each block's input (tokens * h * w per layer) plus one block's activations
       during its recompute, an upper bound; without it every block's activations stay.
     - logprob_buffer: the chunked fp32 log-prob/entropy: logprob_chunk tokens (or this GPU's tokens, if fewer)
@@ -67,22 +74,30 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     engine="vllm" (rollout.VLLMEngine) replaces engine_weights and kv_cache: vllm_awake = gpu_memory_utilization
     x gpu_gib (vLLM takes exactly that while awake: its weights / gen_tp, KV cache, activations), vllm_asleep a
     flat 1 GiB kept through training (its CUDA-graph pool and allocator), sync_bucket = one bucket of the weight
-    push (weight_sync_bucket_mb, full tensors in compute dtype). Its KV capacity goes to the notes.
+    push (weight_sync_bucket_mb, full tensors in compute dtype) plus the largest parameter, gathered whole before
+    it is cut into HF tensors (an expert stack, or the embeddings). Its KV capacity goes to the notes; an engine
+    whose bf16 weights / gen_tp leave no KV cache in gpu_memory_utilization x GPU does not fit.
     A mesh that does not divide the world size or the heads raises ValueError (parallel.check_mesh).
     """
     m = model_cfg
-    tp, sp = cfg.tp_size, cfg.sp_size
-    dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads)
+    tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
+    dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads, ep_size=ep,
+                             num_experts=m.num_experts)
     fsdp = dp * sp
     w = 4 if cfg.dtype == "float32" else 2
     sharded = world_size > 1
     P = m.num_params()
-    h, hd, L = m.hidden_size, m.head_dim, m.num_hidden_layers
+    h, hd, L, E, k = m.hidden_size, m.head_dim, m.num_hidden_layers, m.num_experts, m.num_experts_per_tok
     q, kv = m.num_attention_heads * hd, m.num_key_value_heads * hd
-    block_tp = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0) + 3 * h * m.intermediate_size
-    block = block_tp + 2 * h + (2 * hd if m.qk_norm else 0)  # + norms, replicated over TP
-    root = P - L * block  # embeddings, lm_head (untied), final norm
-    per_gpu = (L * block_tp / (fsdp * tp) + (P - L * block_tp) / fsdp) if sharded else P  # params held by one GPU
+    n_moe = sum(map(m.is_moe_layer, range(L)))
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0)  # split by TP
+    norms = 2 * h + (2 * hd if m.qk_norm else 0)
+    mlp = 3 * h * m.intermediate_size  # a dense layer's, split by TP
+    experts, router = E * 3 * h * m.moe_intermediate_size, E * h  # a MoE layer's, replicated over TP
+    by_tp = L * attn + (L - n_moe) * mlp
+    root = P - L * (attn + norms) - (L - n_moe) * mlp - n_moe * (experts + router)  # embeddings, lm_head, norm
+    # experts: 1/ep of each stack per EP rank, FSDP over fsdp / ep: 1/fsdp a GPU, as without EP
+    per_gpu = (by_tp / (fsdp * tp) + (P - by_tp) / fsdp) if sharded else P  # params held by one GPU
     offload = sharded and (cfg.param_offload or cfg.optimizer_offload)
     use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
 
@@ -92,14 +107,19 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     host_gib = sum(state.values()) / GiB if offload else 0.0
     gib["engine_weights"] = w * P / GiB if sharded else 0.0
     gib["runtime"] = runtime_gib
-    gib["working"] = (2 * w * (root + block_tp / tp + (block - block_tp)) if sharded else w * P) / GiB
+    blocks = [attn / tp + norms + mlp / tp] * (n_moe < L) + [attn / tp + norms + router + experts / ep] * (n_moe > 0)
+    gib["working"] = (2 * w * (root + max(blocks)) if sharded else w * P) / GiB
     seq = cfg.max_prompt_length + cfg.max_response_length
     tokens = cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
     local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
-    split = 8 * q + 8 * m.intermediate_size + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
-    one_block = local * (16 * h + split / tp) * w / 2  # bytes counted for bf16 above; w / 2 scales them
-    acts = local * h * w * L + one_block if cfg.gradient_checkpointing else L * one_block
+    split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
+    sparse = 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E  # a MoE layer's MLP, top-k experts a token
+    per_token = [16 * h + (split + 8 * m.intermediate_size) / tp] * (n_moe < L) + [16 * h + split / tp + sparse] * (n_moe > 0)
+    layers = [(L - n_moe) * per_token[0]] * (n_moe < L) + [n_moe * per_token[-1]] * (n_moe > 0)
+    scale = local * w / 2  # bytes counted for bf16 above; w / 2 scales them
+    acts = local * h * w * L + max(per_token) * scale if cfg.gradient_checkpointing else sum(layers) * scale
     gib["activations"] = acts / GiB
+    gib["a2a_buffers"] = 2 * local * k * h * w / GiB if ep > 1 else 0.0
     gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
     rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
     kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
@@ -107,7 +127,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     vllm = engine == "vllm"
     gib["vllm_asleep"] = 1.0 if vllm else 0.0
     gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0
-    gib["sync_bucket"] = min(cfg.weight_sync_bucket_mb * 2**20, w * P) / GiB if vllm else 0.0
+    largest = max(m.vocab_size * h, 2 * m.moe_intermediate_size * h * E)  # gathered whole by the push
+    gib["sync_bucket"] = (min(cfg.weight_sync_bucket_mb * 2**20, w * P) + w * largest) / GiB if vllm else 0.0
     if vllm:
         gib["engine_weights"] = gib["kv_cache"] = 0.0
 
@@ -115,41 +136,58 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     total = {p: sum(v for k, v in gib.items() if phase[k] == p) for p in ("resident", "training", "generation")}
     peak_phase = "training" if total["training"] >= total["generation"] else "generation"
     peak = total["resident"] + total[peak_phase]
-    fits = peak <= gpu_gib
+    vllm_kv_gib = cfg.gpu_memory_utilization * gpu_gib * cfg.gen_tp - 2 * P / GiB - cfg.gen_tp  # ~1 GiB act./GPU
+    fits = peak <= gpu_gib and (not vllm or vllm_kv_gib > 0)
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
     notes = []
     if (cfg.param_offload or cfg.optimizer_offload) and not sharded:
         notes.append("param_offload/optimizer_offload act only under FSDP (world size > 1)")
     if vllm:
-        gen_tp = cfg.gen_tp
-        kv_gib = cfg.gpu_memory_utilization * gpu_gib * gen_tp - 2 * P / GiB - gen_tp  # ~1 GiB activations per GPU
+        gen_tp, kv_gib = cfg.gen_tp, vllm_kv_gib
         seqs = kv_gib * GiB / (kv_token * seq)
         notes.append(f"vLLM engine of TP {gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x {gen_tp} GPUs "
                      f"- weights {2 * P / GiB:.1f} GiB leaves ~{kv_gib:.0f} GiB of KV cache = {seqs:.0f} sequences "
                      f"of max length ({seq} tokens) in flight" + ("" if seqs >= cfg.n else
                                                                  f": fewer than n={cfg.n}, raise "
                                                                  "gpu_memory_utilization or gen_tp"))
+        if kv_gib <= 0:
+            largest = "vllm_awake"
+    if n_moe and ep > 1:
+        notes.append(f"EP {ep}: each GPU computes {E // ep} of {E} experts a MoE layer; all-to-all rows assume "
+                     "balanced routing (a skewed router sends more to some GPUs)")
+    elif n_moe and sharded:
+        notes.append(f"MoE without EP: FSDP gathers all {E} experts of a layer on every GPU (working weights); "
+                     "ep_size splits them")
     else:
         room = ", ".join(f"TP {t}: {0.8 * gpu_gib * t - 2 * P / GiB:.0f}" for t in (1, 2, 4, 8))
         notes.append(f"with the vLLM engine (rollout_engine='vllm'), GiB left for KV per engine at "
                      f"gpu_memory_utilization 0.8 of {gpu_gib:g} GiB: {room}")
-    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "gpu_gib": gpu_gib, "num_params": P,
+    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "ep": ep, "gpu_gib": gpu_gib, "num_params": P,
+            "num_active_params": m.num_active_params(),
             "engine": engine, "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib,
             "resident_gib": total["resident"], "training_gib": total["training"],
             "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,
             "verdict": "fits" if fits else "does not fit", "largest": largest,
-            "knob": None if fits else _memory_knob(largest, cfg, sharded), "notes": notes}
+            "knob": None if fits else _memory_knob(largest, cfg, sharded, n_moe > 0), "notes": notes}
 
 
-def _memory_knob(term: str, cfg, sharded: bool) -> str:
+def _memory_knob(term: str, cfg, sharded: bool, moe: bool = False) -> str:
     """What to turn when `term` is the largest part of a peak that does not fit."""
     if term in ("params", "grads", "optimizer", "ref_params"):
         if not sharded:
             return "more GPUs (FSDP shards params, grads and AdamW states over dp; offload needs world size > 1)"
         return "param_offload=True + optimizer_offload=True (states to the host), or more GPUs (smaller shards)"
     if term == "working":
+        if moe and sharded:
+            return "ep_size (splits each MoE layer's experts over ep_size GPUs)"
         return "tp_size (splits the unsharded block weights), or more GPUs" if sharded else "more GPUs (FSDP)"
+    if term == "a2a_buffers":
+        budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
+        return f"{budget} (rows exchanged per MoE layer), or sp_size"
+    if term == "vllm_awake":
+        return ("gen_tp (vLLM's bf16 weights, 2 bytes x params / gen_tp per GPU, must fit in gpu_memory_utilization "
+                "x GPU with room for the KV cache), or gpu_memory_utilization")
     if term == "engine_weights":
         return ("rollout_engine='vllm' with gen_tp > 1 (each engine splits the weights over gen_tp GPUs; the "
                 "built-in engine holds a full copy on every GPU)")
@@ -175,8 +213,10 @@ def format_memory_plan(plans: list[dict]) -> str:
     cols = lambda vals: "".join(f"{v:>{width}}" for v in vals)  # noqa: E731
     sp = f" x sp {p0['sp']}" if p0["sp"] > 1 else ""
     per_gpu = f" ({math.ceil(p0['tokens_per_micro_batch'] / p0['sp'])} per GPU)" if p0["sp"] > 1 else ""
-    out = [f"memory per GPU (GiB): {p0['num_params'] / 1e9:.2f}B params, world {p0['world_size']} = "
-           f"dp {p0['dp']}{sp} x tp {p0['tp']}, {p0['tokens_per_micro_batch']} tokens per update micro-batch"
+    active = f" ({p0['num_active_params'] / 1e9:.2f}B active a token)" if p0["num_active_params"] < p0["num_params"] else ""
+    ep = f", ep {p0['ep']}" if p0["ep"] > 1 else ""
+    out = [f"memory per GPU (GiB): {p0['num_params'] / 1e9:.2f}B params{active}, world {p0['world_size']} = "
+           f"dp {p0['dp']}{sp} x tp {p0['tp']}{ep}, {p0['tokens_per_micro_batch']} tokens per update micro-batch"
            f"{per_gpu}, KV cache {p0['kv_rows']} rows",
            f"  {'':11}{'':38}" + cols(head)]
     for phase in ("resident", "training", "generation"):

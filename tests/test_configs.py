@@ -195,7 +195,8 @@ def test_memory_plan_with_the_vllm_engine():
     p = plan.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
     g = p["gib"]
     assert (g["engine_weights"], g["kv_cache"], g["vllm_asleep"], g["vllm_awake"]) == (0, 0, 1.0, 40.0)
-    assert g["sync_bucket"] == pytest.approx(min(2**20, 2 * 202_304) / GiB)
+    # one bucket, plus the largest parameter gathered whole before it is cut up (lm_head, 1000 x 64 in bf16)
+    assert g["sync_bucket"] == pytest.approx((min(2**20, 2 * 202_304) + 2 * 64_000) / GiB)
     assert p["resident_gib"] == pytest.approx(torch_plan["resident_gib"] - torch_plan["gib"]["engine_weights"] + 1.0)
     assert p["generation_gib"] == pytest.approx(40.0 + g["sync_bucket"])
     kv_gib = 0.5 * 80 * 2 - 2 * 202_304 / GiB - 2
@@ -215,3 +216,55 @@ def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
     for p in plans:
         assert p["verdict"] in text
         assert p["gib"]["params"] == 0 and p["host_gib"] > 0  # param + optimizer offload
+
+
+# -----------------------------------------------------------------------------
+# memory_plan on a tiny Qwen3-MoE, by hand
+#
+# hidden 64, 2 layers, both MoE: 8 experts of width 32, top-2; 4 heads x 16 (q 64), 2 kv heads (kv 32), vocab 1000.
+# per layer: attention 3 * 64*64 + 64*32 ... = 64*64 + 2*64*32 + 64*64 = 12,288; norms 2*64 + q/k norms 2*16 = 160;
+#            router 8*64 = 512; experts 8 * 3*64*32 = 49,152                                      layer = 62,112
+# root: embeddings + lm_head 2*1000*64 + final norm 64 = 128,064; P = 2 * 62,112 + 128,064 = 252,288
+# active: 2 of 8 experts a token, 2 * 3*64*32 = 12,288 a layer: P - 2 * (49,152 - 12,288) = 178,560
+
+
+def tiny_moe():
+    return M.ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def test_tiny_moe_parameter_counts():
+    assert (tiny_moe().num_params(), tiny_moe().num_active_params()) == (252_288, 178_560)
+
+
+def test_memory_plan_moe_with_expert_parallelism_by_hand():
+    with_ep = plan.memory_plan(tiny_cfg(tp_size=1, ep_size=4), tiny_moe(), 8, 80, runtime_gib=0)
+    no_ep = plan.memory_plan(tiny_cfg(tp_size=1), tiny_moe(), 8, 80, runtime_gib=0)
+    b, b1 = plan_bytes(with_ep), plan_bytes(no_ep)
+    # experts: 2 of 8 per EP rank, FSDP over the other 8 / 4 = 2 ranks: 1/8 a GPU, like every other weight
+    assert b["params"] == b1["params"] == 4 * 252_288 // 8
+    # bf16, 2 x (root + one MoE block: attention, norms, router, 8 / ep experts)
+    assert b["working"] == 4 * (128_064 + 12_288 + 160 + 512 + 49_152 // 4)
+    assert b1["working"] == 4 * (128_064 + 12_288 + 160 + 512 + 49_152)
+    # 128 tokens: block inputs 128 * 64 * 2 bytes * 2 layers, + one block's saved tensors a token: 16 x hidden
+    # 1024, attention 8q + q/k norms 6q + 6kv = 1088, MoE 8 x 2 x 32 + 6 x 2 x 64 + 8 x 8 = 1344
+    assert b["activations"] == b1["activations"] == 32_768 + 128 * (1024 + 1088 + 1344)
+    # the all-to-all: 128 tokens x top-2 rows of 64 bf16 values, sent and received
+    assert (b["a2a_buffers"], b1["a2a_buffers"]) == (2 * 128 * 2 * 64 * 2, 0)
+    text = plan.format_memory_plan([with_ep])
+    assert "0.00B params (0.00B active a token), world 8 = dp 8 x tp 1, ep 4" in text
+    assert with_ep["num_active_params"] == 178_560 and "EP 4: each GPU computes 2 of 8 experts" in text
+
+
+def test_memory_plan_moe_knobs_and_refusals():
+    p = plan.memory_plan(tiny_cfg(tp_size=1), tiny_moe(), 8, gpu_gib=1e-5, runtime_gib=0)
+    assert p["largest"] == "working" and p["knob"].startswith("ep_size")  # all experts gathered on every GPU
+    with pytest.raises(ValueError, match=r"ep_size=4 must divide the dp x sp = 6 ranks"):
+        plan.memory_plan(tiny_cfg(tp_size=1, ep_size=4), tiny_moe(), 6, 80)
+    with pytest.raises(ValueError, match=r"ep_size=4 must divide num_experts=0"):
+        plan.memory_plan(tiny_cfg(tp_size=1, ep_size=4), tiny_model(), 8, 80)
+    # vLLM whose weights alone exceed gpu_memory_utilization x GPU x gen_tp: does not fit, turn gen_tp
+    p = plan.memory_plan(tiny_cfg(tp_size=1, gen_tp=1), tiny_moe(), 8, gpu_gib=252_288 * 2 / GiB, runtime_gib=0,
+                         engine="vllm")
+    assert p["verdict"] == "does not fit" and p["knob"].startswith("gen_tp")
