@@ -24,7 +24,8 @@ def test_config_parses_and_validates_at_its_world_size(path):
 
 def test_recipe_configs_exist():
     names = {os.path.basename(p) for p in CONFIGS}
-    assert {"qwen32b.py", "qwen2.5_7b_dapo.py", "qwen3_8b_dapo.py", "qwen2_0.5b_gsm8k_grpo.py"} <= names
+    assert {"qwen32b.py", "qwen2.5_7b_dapo.py", "qwen3_8b_dapo.py", "qwen2_0.5b_gsm8k_grpo.py",
+            "qwen3_235b_dapo.py", "qwen3_30b_a3b_dapo.py"} <= names
 
 
 def test_qwen32b_batch_arithmetic_at_128_gpus():
@@ -268,3 +269,16 @@ def test_memory_plan_moe_knobs_and_refusals():
     p = plan.memory_plan(tiny_cfg(tp_size=1, gen_tp=1), tiny_moe(), 8, gpu_gib=252_288 * 2 / GiB, runtime_gib=0,
                          engine="vllm")
     assert p["verdict"] == "does not fit" and p["knob"].startswith("gen_tp")
+
+
+def test_qwen3_235b_recipe_plan():
+    """256 GPUs = dp 32 x sp 8, EP 8 within each node: fits 141 GiB GPUs with room for the vLLM KV cache; on 80 GiB
+    GPUs the engines hold fewer full-length sequences than a group of n (the header says so)."""
+    cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen3_235b_dapo.py")])
+    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-235b-a22b"])
+    big, small = (plan.memory_plan(cfg, mc, cfg.nnodes * cfg.n_gpus_per_node, g, engine="vllm") for g in (141, 80))
+    assert (big["dp"], big["sp"], big["ep"], big["world_size"]) == (32, 8, 8, 256)
+    assert round(big["num_params"] / 1e9, 1) == 235.1 and round(big["num_active_params"] / 1e9, 1) == 22.2
+    assert big["verdict"] == "fits" and big["host_gib"] > 0  # params, grads and AdamW states on the host
+    assert any("fewer than n=16" in note for note in small["notes"])
+    assert not any("fewer than n" in note for note in big["notes"])
