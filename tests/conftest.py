@@ -7,8 +7,8 @@ import torch
 
 import data
 import model as M
-import prepare_data
 import train_dapo as T
+from tools import prepare_data
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import data
-import prepare_data
 from data import DataError, PromptSampler, balanced_micro_batches, check_parquet_schema, load_prompts, write_parquet
-from prepare_data import make_arith_rows
+from tools import prepare_data
+from tools.prepare_data import make_arith_rows
 
 
 class CharTokenizer:

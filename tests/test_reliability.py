@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import data
 import parallel
-import prepare_data
 import train_dapo as T
 from conftest import make_model_dir
+from tools import prepare_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
