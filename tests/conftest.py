@@ -4,30 +4,42 @@ import json
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import data
 import model as M
 import train_dapo as T
 from tools import prepare_data
 
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def make_model_dir(path, seed=0, hidden=32, layers=2):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet))}
+def byte_tokenizer_dir(path, template=CHAT_TEMPLATE, eos_token="<|im_end|>", generation_config=None, config=None,
+                       pad_token=None):
+    """A model directory's tokenizer files: one token per byte plus SPECIALS (ids 0, 1, 2); the JSON files given."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
+    tok.add_special_tokens(SPECIALS)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=len(vocab), hidden_size=hidden,
+    tc = {"chat_template": template} if template is not None else {}
+    tc.update({k: v for k, v in (("eos_token", eos_token), ("pad_token", pad_token)) if v is not None})
+    files = {"tokenizer_config.json": tc, "generation_config.json": generation_config, "config.json": config}
+    for name, d in files.items():
+        if d is not None:
+            (path / name).write_text(json.dumps(d))
+    return str(path)
+
+
+def make_model_dir(path, seed=0, hidden=32, layers=2):
+    """A tiny random Qwen2 model directory with the byte tokenizer and the chat template."""
+    byte_tokenizer_dir(path, pad_token="<|endoftext|>")
+    vocab_size = len(SPECIALS) + len(pre_tokenizers.ByteLevel.alphabet())
+    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=vocab_size, hidden_size=hidden,
                         intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
                         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512)
     M.save_pretrained(M.Transformer(cfg).init_weights(seed=seed), str(path))

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import data
 from data import DataError, PromptSampler, balanced_micro_batches, check_parquet_schema, load_prompts, write_parquet
+from conftest import CHAT_TEMPLATE, byte_tokenizer_dir
 from tools import prepare_data
 from tools.prepare_data import make_arith_rows
 
@@ -644,32 +645,8 @@ def test_tokenizer_without_template_is_a_clear_error(tmp_path):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 in byte_tokenizer_dir
-TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def byte_tokenizer_dir(path, template=TEMPLATE, eos_token="<|im_end|>", generation_config=None, config=None):
-    """A model directory's tokenizer files: one token per byte plus SPECIALS; the JSON files given."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    tc = {"chat_template": template} if template is not None else {}
-    if eos_token is not None:
-        tc["eos_token"] = eos_token
-    files = {"tokenizer_config.json": tc, "generation_config.json": generation_config, "config.json": config}
-    for name, d in files.items():
-        if d is not None:
-            (path / name).write_text(json.dumps(d))
-    return str(path)
-
-
 def test_chat_template_kwargs_reach_the_template(tmp_path):
-    template = TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    template = CHAT_TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
     tok = data.Tokenizer.from_pretrained(byte_tokenizer_dir(tmp_path / "m", template=template))
     path = write(tmp_path, "p.parquet", [row("hi")])
     plain = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -739,7 +716,7 @@ def test_check_chat_template_syntax_error_names_file_and_line(tmp_path):
 
 def test_check_chat_template_render_error_names_line_and_kwargs(tmp_path):
     # a template that needs a variable (as a model's template may need enable_thinking), in chat_template.jinja
-    needs = "{{ bos_token }}\n{% if mode is not defined %}{{ raise_exception('pass mode') }}{% endif %}\n" + TEMPLATE
+    needs = "{{ bos_token }}\n{% if mode is not defined %}{{ raise_exception('pass mode') }}{% endif %}\n" + CHAT_TEMPLATE
     path = byte_tokenizer_dir(tmp_path, template=None)
     (tmp_path / "chat_template.jinja").write_text(needs)
     tok = data.Tokenizer.from_pretrained(path)
