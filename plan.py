@@ -114,7 +114,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
     split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
     sparse = 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E  # a MoE layer's MLP, top-k experts a token
-    per_token = [16 * h + (split + 8 * m.intermediate_size) / tp] * (n_moe < L) + [16 * h + split / tp + sparse] * (n_moe > 0)
+    per_token = [16 * h + (split + 8 * m.intermediate_size) / tp] * (n_moe < L) + \
+        [16 * h + split / tp + sparse] * (n_moe > 0)
     layers = [(L - n_moe) * per_token[0]] * (n_moe < L) + [n_moe * per_token[-1]] * (n_moe > 0)
     scale = local * w / 2  # bytes counted for bf16 above; w / 2 scales them
     acts = local * h * w * L + max(per_token) * scale if cfg.gradient_checkpointing else sum(layers) * scale
@@ -213,7 +214,8 @@ def format_memory_plan(plans: list[dict]) -> str:
     cols = lambda vals: "".join(f"{v:>{width}}" for v in vals)  # noqa: E731
     sp = f" x sp {p0['sp']}" if p0["sp"] > 1 else ""
     per_gpu = f" ({math.ceil(p0['tokens_per_micro_batch'] / p0['sp'])} per GPU)" if p0["sp"] > 1 else ""
-    active = f" ({p0['num_active_params'] / 1e9:.2f}B active a token)" if p0["num_active_params"] < p0["num_params"] else ""
+    active = p0["num_active_params"] < p0["num_params"]
+    active = f" ({p0['num_active_params'] / 1e9:.2f}B active a token)" if active else ""
     ep = f", ep {p0['ep']}" if p0["ep"] > 1 else ""
     out = [f"memory per GPU (GiB): {p0['num_params'] / 1e9:.2f}B params{active}, world {p0['world_size']} = "
            f"dp {p0['dp']}{sp} x tp {p0['tp']}{ep}, {p0['tokens_per_micro_batch']} tokens per update micro-batch"

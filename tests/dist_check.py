@@ -141,7 +141,7 @@ def main(mode, ckpt_dir, out):
         result["losses"] = train_steps(model, opt, dims)
     elif mode in ("update", "update_sp"):
         import train_dapo as T
-        from test_train import random_batch  # the fixed batch of the single-process tests
+        from conftest import random_batch  # the fixed batch of the single-process tests
         cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                        ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=15)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: a wrong gradient scale would show

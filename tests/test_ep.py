@@ -34,8 +34,8 @@ def reference(moe_dir):
     dims = parallel.init_distributed("cpu")
     m = M.from_pretrained(moe_dir, dtype=torch.float32)
     routed = []  # per MoE layer, the number of rows each expert receives from each document
-    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda mod, args: routed.append(torch.diff(args[1], prepend=args[1].new_zeros(1))))
-             for layer in m.model.layers]
+    count = lambda mod, args: routed.append(torch.diff(args[1], prepend=args[1].new_zeros(1)))  # noqa: E731
+    hooks = [layer.mlp.experts.register_forward_pre_hook(count) for layer in m.model.layers]
     docs = dist_check.batch()
     with torch.no_grad():
         for d in docs:
@@ -85,7 +85,8 @@ def test_aux_loss_without_reduction_differs():
     loads = [M.router_load(p, p.topk(k, -1).indices) for p in probs]
     whole = M.load_balancing_loss([loads[0] + loads[1]], k)
     allp = torch.cat(probs)
-    assert whole.item() == pytest.approx(M.load_balancing_loss([M.router_load(allp, allp.topk(k, -1).indices)], k).item())
+    by_hand = M.load_balancing_loss([M.router_load(allp, allp.topk(k, -1).indices)], k)
+    assert whole.item() == pytest.approx(by_hand.item())
     assert abs(sum(M.load_balancing_loss([x], k).item() for x in loads) / 2 - whole.item()) > 1e-3
     assert parallel.reduce_router_loads(loads, None) is loads
 

@@ -17,7 +17,8 @@ import dist_check  # noqa: E402
 
 
 def torchrun(nproc, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
+    root = os.path.dirname(HERE)  # and tools/, where conftest's prepare_data lives (pytest's pythonpath)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tools")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(29500 + os.getpid() % 1000), os.path.join(HERE, "dist_check.py"), *map(str, args)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -66,7 +67,7 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode):
     import contextlib
 
     import train_dapo as T
-    from test_train import random_batch
+    from conftest import random_batch
     dims = parallel.init_distributed("cpu")
     m = M.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)  # as dist_check.py
