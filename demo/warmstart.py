@@ -3,6 +3,7 @@ The warm start for the CPU demo: a tiny Qwen2 model that already answers in the 
 ("Answer: 85" then <|im_end|>) but is often wrong, so that DAPO has something to learn in minutes.
 
     PYTHONPATH=. python demo/warmstart.py     # from the repo root; ~70 s on 2 CPU cores
+    PYTHONPATH=. python demo/warmstart.py --experts 4 --out /tmp/demo_moe   # the same task on a tiny Qwen3-MoE
 
 Writes demo/model/ (config.json, fp32 model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) and demo/data/{train,val}.parquet (5000 / 200 problems a+b with a, b in 0..99;
@@ -10,7 +11,8 @@ train and val share no problem). Deterministic from --seed on a given machine an
 
 Tokenizer: byte-level BPE, one token per byte (so per digit) plus whole-word tokens "user" and
 "assistant", and the specials <|endoftext|> <|im_start|> <|im_end|>: 277 ids; Qwen-style chat template.
-Model: Qwen2, hidden 128, 4 layers, 4 heads / 2 kv heads, MLP 384, tied embeddings: 0.82M params.
+Model: Qwen2, hidden 128, 4 layers, 4 heads / 2 kv heads, MLP 384, tied embeddings: 0.82M params. With
+--experts E: Qwen3-MoE of the same shape whose MLPs are E experts of width 192, top-2, renormalised.
 Training: supervised on "Answer: {a+b}<|im_end|>" (loss on the response only), AdamW lr 1e-3, batch 64,
 stopped once sampled accuracy on a probe of train problems reaches --target_acc (about 500 steps).
 Prints on val: greedy accuracy, sampled accuracy at T=1 (mean over 8), pass@8, the format rate
@@ -122,6 +124,7 @@ def main():
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--experts", type=int, default=0)  # > 0: a Qwen3-MoE with this many experts per layer
     args = p.parse_args()
     t0 = time.time()
     torch.set_num_threads(args.threads)
@@ -134,9 +137,12 @@ def main():
     sft_rows = rows(args.max_steps * args.batch_size, "train", seed=args.seed + 1)
     probe_rows = rows(128, "train", seed=args.seed + 2)  # the stopping rule looks at train problems only
 
-    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=tok.vocab_size, hidden_size=128,
-                        intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                        tie_word_embeddings=True, max_position_embeddings=256, eos_token_id=tok.eos_token_ids[0])
+    moe = dict(architecture="Qwen3MoeForCausalLM", num_experts=args.experts, num_experts_per_tok=2,
+               moe_intermediate_size=192, norm_topk_prob=True) if args.experts else {}
+    cfg = M.ModelConfig(**{"architecture": "Qwen2ForCausalLM", "vocab_size": tok.vocab_size, "hidden_size": 128,
+                           "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 256,
+                           "eos_token_id": tok.eos_token_ids[0], **moe})
     model = M.Transformer(cfg).init_weights(seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     # Addition is learned in a sudden jump after a plateau whose length varies with the seed and even with
