@@ -13,6 +13,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -157,7 +158,11 @@ class ParallelDims:
 
     ep: expert parallelism (tp = 1): the fsdp_size ranks, numbered f = dp_rank * sp + sp_rank, form groups of ep
     consecutive ranks (ep_rank = f % ep) that split each MoE layer's experts and exchange tokens; expert weights are
-    FSDP-sharded over the efsdp_size = fsdp_size / ep ranks of the same ep_rank, all other weights as above."""
+    FSDP-sharded over the efsdp_size = fsdp_size / ep ranks of the same ep_rank, all other weights as above.
+
+    Asynchronous rollout: world_size counts the trainer ranks only, the first of torchrun's; the ranks after them only
+    generate (rank >= world_size: is_generator). group spans the trainer ranks, rollout_group trainer rank 0 and the
+    generators."""
     world_size: int
     rank: int
     local_rank: int
@@ -168,6 +173,8 @@ class ParallelDims:
     mesh: object = None  # DeviceMesh ("dp", "sp", "tp") when world_size > 1
     fsdp_mesh: object = None  # its ("dp", "sp") dimensions flattened: the ranks FSDP shards over
     expert_mesh: object = None  # DeviceMesh ("efsdp", "ep") over the same ranks, when ep > 1
+    group: object = None  # the trainer ranks' process group (None: the whole world)
+    rollout_group: object = None  # trainer rank 0 + the generator ranks (asynchronous rollout)
 
     def __post_init__(self):
         check_mesh(self.world_size, self.tp, self.sp, ep_size=self.ep)
@@ -200,24 +207,33 @@ class ParallelDims:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def is_generator(self) -> bool:
+        return self.rank >= self.world_size
 
-def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1) -> ParallelDims:
+
+def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1, rollout: int = 0) -> ParallelDims:
     """This rank's ParallelDims from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (plain python: one rank); the
-    mesh and the device are checked before any process group or device is set up."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    mesh and the device are checked before any process group or device is set up. rollout > 0: the last rollout
+    ranks only generate; the mesh spans the others (every rank takes part in creating its groups)."""
+    total = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), total - rollout
     kind = device_type(device)
     dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, local_rank)
     dims = ParallelDims(world, rank, local_rank, tp, dev, sp=sp, ep=ep)
     if kind != "cpu":
         torch.get_device_module(kind).set_device(local_rank)
+    if total > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=process_group_backend(kind))
+    if rollout:
+        dims.group = dist.new_group(list(range(world)))
+        dims.rollout_group = dist.new_group([0, *range(world, total)])
     if world > 1:
-        if not dist.is_initialized():
-            dist.init_process_group(backend=process_group_backend(kind))
-        dims.mesh = init_device_mesh(kind, (dims.dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+        dims.mesh = DeviceMesh(kind, torch.arange(world).view(dims.dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
         dims.fsdp_mesh = dims.mesh["dp", "sp"]._flatten("fsdp")
         if ep > 1:
-            dims.expert_mesh = init_device_mesh(kind, (dims.efsdp_size, ep), mesh_dim_names=("efsdp", "ep"))
+            dims.expert_mesh = DeviceMesh(kind, torch.arange(world).view(dims.efsdp_size, ep),
+                                          mesh_dim_names=("efsdp", "ep"))
     return dims
 
 
@@ -232,7 +248,7 @@ def all_gather_objects(obj, dims: ParallelDims) -> list:
     if dims.world_size == 1:
         return [obj]
     out = [None] * dims.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=dims.group)
     return out
 
 
@@ -251,13 +267,47 @@ def all_reduce_max(value: int, dims: ParallelDims) -> int:
     if dims.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dims.group)
     return int(t.item())
 
 
 def barrier(dims: ParallelDims):
     if dims.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=dims.group)
+
+
+def send_object(obj, dst: int) -> list:
+    """Send a picklable obj to rank dst without waiting: its size, then its bytes (CPU tensors: gloo). -> the sends'
+    work handles (they hold the buffers; wait on them before exiting)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return [dist.isend(torch.tensor([data.numel()]), dst), dist.isend(data, dst)]
+
+
+def recv_object(src: int):
+    """The next object that rank src sent with send_object."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, src)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_buckets(buckets, group, device: torch.device):
+    """Buckets of (name, full tensor) from the group's first rank, which passes them, to its other ranks, which pass
+    None and iterate what this yields: per bucket its names and shapes, then one flat tensor (NCCL on GPUs); an empty
+    list ends. Collective over group: every rank iterates to the end."""
+    src, it = dist.get_global_rank(group, 0), iter(buckets or ())
+    while True:
+        bucket = next(it, []) if buckets is not None else None
+        meta = [[(n, t.shape, t.dtype) for n, t in bucket] if bucket is not None else None]
+        dist.broadcast_object_list(meta, src=src, group=group)
+        if not meta[0]:
+            return
+        flat = (torch.cat([t.reshape(-1) for _, t in bucket]) if bucket is not None else
+                torch.empty(sum(s.numel() for _, s, _ in meta[0]), dtype=meta[0][0][2], device=device))
+        dist.broadcast(flat, src=src, group=group)
+        if bucket is None:
+            yield [(n, t.view(s)) for (n, s, _), t in zip(meta[0], flat.split([s.numel() for _, s, _ in meta[0]]))]
 
 
 # -----------------------------------------------------------------------------
@@ -501,7 +551,7 @@ def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims: Para
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"),
-                     no_dist=not dist.is_initialized())
+                     no_dist=not dist.is_initialized(), process_group=dims.group)
             rngs = all_gather_objects(rng_state(dims.device), dims)
             if export is not None:
                 export(tmp)
@@ -604,7 +654,8 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sharded = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(sharded, checkpoint_id=os.path.join(path, "dcp"), no_dist=not dist.is_initialized())
+        dcp.load(sharded, checkpoint_id=os.path.join(path, "dcp"), no_dist=not dist.is_initialized(),
+                 process_group=dims.group)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(path, f"dcp: {_one_line(e)}") from e
     set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])

@@ -1,0 +1,136 @@
+"""Asynchronous rollout (rollout_gpus > 0) on CPU with gloo and the built-in engine: the last torchrun ranks generate,
+the others train. Runs are deterministic, a kill -9 then resume reproduces the uninterrupted run, no trajectory is
+older than max_staleness versions, and every prompt drawn is trained on once, in order, across resumes."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_dapo as T
+from test_reliability import ROOT, args, metrics
+
+STEPS = 4  # save_freq=2: a checkpoint every other step, rounds asked ahead on the steps between
+
+
+def torchrun(tiny_dir, out, nproc, rollout_gpus, fault=None, steps=STEPS, **over):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env.pop("NANODAPO_FAULT", None)
+    if fault:
+        env["NANODAPO_FAULT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(29000 + (os.getpid() + hash(str(out))) % 1000), os.path.join(ROOT, "train_dapo.py"), "--",
+           *args(tiny_dir, out, **{"total_training_steps": steps, "save_freq": 2, "rollout_gpus": rollout_gpus,
+                                   **over})]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(p):
+    log = p.stdout.read()
+    assert p.wait(timeout=600) == 0, log[-5000:]
+    return log
+
+
+def check_rounds(rows, max_staleness=1):
+    """Staleness (from the trajectories' versions) within the bound and reached; every round trained on follows the
+    last one in the sampler's order (consumed prompts grow by the rounds' prompts: none skipped, none twice)."""
+    train = [r for r in rows if "rollout/staleness_max" in r]
+    assert all(r["rollout/staleness_max"] <= max_staleness for r in train)
+    assert any(r["rollout/staleness_max"] == max_staleness for r in train)  # generation overlapped an update
+    consumed = 0
+    for r in train:
+        consumed += r["sampling/num_gen_batches"] * 3  # gen_batch_size
+        assert r["sampler/consumed_prompts"] == consumed, r["step"]
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (3, 1)], ids=["1_trainer_1_generator", "2_trainers_1_generator"])
+def layout(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_dir, tmp_path_factory, layout):
+    out = tmp_path_factory.mktemp("async_ref") / "run"
+    finish(torchrun(tiny_dir, out, *layout))
+    return metrics(out)
+
+
+def test_async_run_is_deterministic_and_stays_within_the_staleness_bound(tiny_dir, tmp_path, layout, uninterrupted):
+    assert [r["step"] for r in uninterrupted] == list(range(STEPS + 1))
+    check_rounds(uninterrupted)
+    finish(torchrun(tiny_dir, tmp_path / "again", *layout))
+    assert metrics(tmp_path / "again") == uninterrupted
+
+
+def test_kill_9_then_resume_reproduces_the_uninterrupted_async_run(tiny_dir, tmp_path, layout, uninterrupted):
+    out = tmp_path / "run"
+    p = torchrun(tiny_dir, out, *layout, fault="update:3")  # killed after step 3's update, rounds in flight
+    p.stdout.read()
+    assert p.wait(timeout=600) != 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_2"]
+    log = finish(torchrun(tiny_dir, out, *layout))
+    assert "resumed from" in log and "step_2 at step 2" in log
+    assert metrics(out) == uninterrupted
+
+
+def test_sigterm_checkpoints_on_all_ranks_and_the_resume_skips_no_prompt(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    p = torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0)  # a round is out while steps 1-5 train
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and
+                                          '"step": 1' in (out / "metrics.jsonl").read_text()):
+        time.sleep(0.05)
+    workers = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+    for pid in workers:  # as a cluster scheduler does: every process of the job
+        os.kill(int(pid), signal.SIGTERM)
+    assert "stopped by signal" in finish(p)
+    stopped_at = max(r["step"] for r in metrics(out))
+    assert stopped_at < 6 and (out / "checkpoints" / f"step_{stopped_at}" / "COMPLETE").exists()
+    finish(torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(7))
+    check_rounds(rows)  # the round in flight at the stop was drawn again after the resume, not lost
+
+
+def test_rollout_gpus_must_leave_trainer_ranks(tiny_dir, tmp_path, capsys):
+    assert T.main(args(tiny_dir, tmp_path / "run", rollout_gpus=1)) == 2  # one process: no rank left to train
+    assert "rollout_gpus=1 must be < the world size 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world,over,msg", [
+    (2, {"rollout_gpus": 2}, "rollout_gpus=2 must be < the world size 2"),
+    (4, {"rollout_gpus": 1, "tp_size": 2}, "must divide the world size 3"),  # the mesh is the trainer ranks'
+    (3, {"rollout_gpus": 1, "rollout_engine": "vllm"}, "built-in engine"),
+    (3, {"rollout_gpus": 1, "max_staleness": 0}, "max_staleness=0 must be > 0"),
+    (3, {"rollout_gpus": 1, "rollout_rs_threshold": 0.5}, "rollout_rs_threshold=0.5 must be -1"),
+])
+def test_async_config_errors(world, over, msg):
+    cfg = T.Config(train_batch_size=4, gen_batch_size=4, n=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1,
+                   **over)
+    with pytest.raises(T.ConfigError, match=msg):
+        T.validate(cfg, world_size=world, check_files=False)
+
+
+@pytest.mark.parametrize("save_freq,total,step,expected", [
+    (2, 10, 1, 1), (2, 10, 2, 0),  # none out when step 2's checkpoint is written
+    (0, 10, 9, 1), (0, 10, 10, 0),  # save_freq 0: a checkpoint at the end only
+    (5, 12, 3, 2), (5, 12, 4, 1), (5, 12, 11, 1), (5, 12, 12, 0),  # max_staleness 2 (below): capped by the distance
+])
+def test_rounds_ahead_leave_none_out_at_a_checkpoint(save_freq, total, step, expected):
+    cfg = T.Config(save_freq=save_freq, max_staleness=2 if save_freq == 5 else 1)
+    assert T.rounds_ahead(cfg, step, total) == expected
+
+
+def test_rejection_mask_and_the_async_tis_default():
+    old = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.9)]])
+    rollout = torch.tensor([[math.log(0.2), math.log(0.3), math.log(0.4)]])  # ratios 2.5, 1, 2.25
+    assert T.rollout_rejection_mask(old, rollout, 2.4).tolist() == [[0.0, 1.0, 1.0]]
+    assert T.rollout_rejection_mask(rollout, old, 2.4).tolist() == [[0.0, 1.0, 1.0]]  # 1 / ratio: the lower bound
+    assert T.tis_cap(T.Config(rollout_gpus=1)) == 2.0
+    assert T.tis_cap(T.Config(rollout_gpus=1, tis_imp_ratio_cap=3.0)) == 3.0
+    assert T.tis_cap(T.Config()) == -1.0  # colocated: off unless asked for
