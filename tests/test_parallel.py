@@ -17,10 +17,9 @@ import dist_check  # noqa: E402
 
 
 def torchrun(nproc, *args):
-    root = os.path.dirname(HERE)  # and tools/, where conftest's prepare_data lives (pytest's pythonpath)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tools")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(29500 + os.getpid() % 1000), os.path.join(HERE, "dist_check.py"), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),  # a free port
+           os.path.join(HERE, "dist_check.py"), *map(str, args)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
