@@ -4,12 +4,14 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+import data
 import model as M
 import parallel
 import train_dapo as T
@@ -101,6 +103,18 @@ def test_dry_run_prints_batch_arithmetic(tiny_dir, capsys, monkeypatch):
     assert "per_rank_mini_batch: 8" in out  # 4 x 4 / 2 ranks
     assert "accumulation_steps: 4" in out  # 8 / 2
     assert "steps_per_epoch (if no group is filtered): 4" in out  # 64 prompts / 16
+
+
+@pytest.mark.parametrize("source,message", [
+    ("lr = 1e-3\nn = (4\n", r"bad.py line 2: syntax error"),
+    ("lr = 1e-3\n\nn = undefined_name * 2\n", r"bad.py line 3: NameError: name 'undefined_name'"),
+    ("import os\nn = int(os.environ['NO_SUCH_VARIABLE_X'])\n", r"bad.py line 2: KeyError"),
+])
+def test_config_file_errors_name_the_file_and_line(tmp_path, capsys, source, message):
+    (tmp_path / "bad.py").write_text(source)
+    assert T.main([str(tmp_path / "bad.py")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err
 
 
 def test_main_reports_errors_without_traceback(capsys):
@@ -293,7 +307,11 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
     assert rows[1]["rollout/logp_mismatch"] < 1e-4  # engine and trainer agree on log-probs before the update
     assert "val/acc" in rows[0] and "val/acc" in rows[2] and "val/acc" in rows[3]
     assert (full / "checkpoints" / "step_3" / "COMPLETE").exists()
-    assert M.from_pretrained(str(full / "checkpoints" / "step_3"), dtype=torch.float32)  # an HF model dir
+    export = str(full / "checkpoints" / "step_3")  # an HF model directory, usable as a model_path
+    assert M.from_pretrained(export, dtype=torch.float32)
+    assert data.Tokenizer.from_pretrained(export).eos_token_ids == data.Tokenizer.from_pretrained(
+        str(tiny_dir / "model")).eos_token_ids
+    T.validate(run_cfg(tiny_dir, tmp_path / "from_export", model_path=export))
     if importlib.util.find_spec("matplotlib"):
         assert T.main(["--plot", str(full)]) == 0 and (full / "metrics.png").stat().st_size > 10_000
 
