@@ -1,7 +1,6 @@
 """Asynchronous rollout (rollout_gpus > 0) on CPU with gloo and the built-in engine: the last torchrun ranks generate,
 the others train. Runs are deterministic, a kill -9 then resume reproduces the uninterrupted run, no trajectory is
 older than max_staleness versions, and every prompt drawn is trained on once, in order, across resumes."""
-import json
 import math
 import os
 import signal
@@ -48,7 +47,8 @@ def check_rounds(rows, max_staleness=1):
         assert r["sampler/consumed_prompts"] == consumed, r["step"]
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (3, 1)], ids=["1_trainer_1_generator", "2_trainers_1_generator"])
+@pytest.fixture(scope="module", params=[(2, 1), (3, 1), (3, 2)],
+                ids=["1_trainer_1_generator", "2_trainers_1_generator", "1_trainer_2_generators"])
 def layout(request):
     return request.param
 
