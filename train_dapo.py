@@ -696,7 +696,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
         for start in range(0, len(traj), mb_size):
             idx = list(range(start, min(start + mb_size, len(traj))))  # the global mini-batch: every rank has it
             count = agg_count(traj.response_mask[idx], cfg.loss_agg_mode)
-            tokens = float(traj.response_mask[idx].sum())
+            tokens = float(traj.response_mask[idx].sum()) or 1.0  # 0: every token rejected (rollout_rs_threshold)
             optimizer.zero_grad(set_to_none=True)
             finite = torch.ones((), dtype=torch.bool, device=device)
             for mb in micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims):
