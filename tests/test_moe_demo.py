@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_a_tiny_moe_learns_the_demo_task(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     warm = subprocess.run([sys.executable, os.path.join(ROOT, "demo", "warmstart.py"), "--experts", "4",
-                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200)
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=2400)
     assert warm.returncode == 0, warm.stdout[-2000:] + warm.stderr[-2000:]
     assert json.loads((tmp_path / "model" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     out = tmp_path / "run"
