@@ -364,7 +364,7 @@ def apply_ep(model, ep_mesh):
     (all-to-all of the counts, then of the rows, with uneven splits), is regrouped by local expert, computed, and
     the outputs travel back the same way. The all-to-alls are differentiable, so each rank's expert gradients
     come from every token routed to its experts."""
-    ep, group, rank = ep_mesh.size(), ep_mesh.get_group(), ep_mesh.get_local_rank()
+    ep, group = ep_mesh.size(), ep_mesh.get_group()
     for experts in expert_modules(model):
         for name in EXPERT_STACKS:  # src_data_rank=None: every rank slices its own rows (works on meta too)
             p = getattr(experts, name)
