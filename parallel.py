@@ -1,12 +1,8 @@
 """
-Devices and multi-device training. parallel.py decides the device type (device_type: cuda, npu or cpu) and its
-process-group backend (BACKENDS), and owns autocast, RNG state and memory statistics; model.py and rollout.py
-receive that device type and pick their kernels by it (npu attention, CUDA graphs).
-
-Multi-device: process groups from torchrun, a (dp, sp, tp) device mesh whose arithmetic check_mesh checks, tensor
-parallelism (DTensor plans), Ulysses sequence parallelism, per-block torch.compile, FSDP2 sharding with bf16
-compute over fp32 master weights, full weights gathered in buckets for the rollout engine, and distributed
-checkpoints that are written atomically and checked completely before a resume touches the model.
+Devices and multi-device training: the device type (cuda, npu or cpu) and its process-group backend, autocast,
+RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP, Ulysses SP, EP, per-block compile and FSDP2
+(bf16 compute over fp32 master weights); full weights in buckets for the rollout engine; distributed checkpoints,
+written atomically and checked completely before a resume touches the model.
 """
 import contextlib
 import errno
@@ -34,22 +30,18 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
-def _torch_npu_installed() -> bool:
-    try:
-        import torch_npu  # noqa: F401  (an optional package; importing it registers torch.npu)
-    except ImportError:
-        return False
-    return True
-
-
 def device_type(requested: str = "auto") -> str:
     """'auto' -> the accelerator torch sees (cuda, or npu when torch_npu is installed), else cpu. An explicit
     'cuda' or 'npu' must be usable on this machine: ValueError naming the fix otherwise, before any work."""
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"device={requested!r}; choose one of auto, {', '.join(BACKENDS)}")
-    npu = _torch_npu_installed()
+    try:
+        import torch_npu  # noqa: F401  (optional; importing it registers torch.npu, which 'auto' then sees)
+        npu = True
+    except ImportError:
+        npu = False
     if requested == "auto":
-        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        acc = torch.accelerator.current_accelerator()
         return acc.type if acc is not None and acc.type in BACKENDS else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False: a CPU "
@@ -64,8 +56,7 @@ def device_type(requested: str = "auto") -> str:
 
 
 def process_group_backend(kind: str) -> str:
-    """gloo on the CPU; on an accelerator its collective library for device tensors, and gloo for the CPU
-    tensors and objects (all_gather_objects, the metric reductions)."""
+    """gloo on the CPU; on an accelerator its collective library, plus gloo for CPU tensors and objects."""
     return BACKENDS["cpu"] if kind == "cpu" else f"cpu:{BACKENDS['cpu']},{kind}:{BACKENDS[kind]}"
 
 
@@ -82,9 +73,7 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def max_memory_allocated_gib(device: torch.device) -> float:
-    if device.type == "cpu":
-        return 0.0
-    return torch.get_device_module(device.type).max_memory_allocated() / 2**30
+    return 0.0 if device.type == "cpu" else torch.get_device_module(device.type).max_memory_allocated() / 2**30
 
 
 def seed_everything(seed: int):
@@ -114,10 +103,9 @@ def set_rng_state(state: dict, device: torch.device):
 
 def check_mesh(world_size: int, tp_size: int, sp_size: int, num_attention_heads: int | None = None,
                num_key_value_heads: int | None = None, ep_size: int = 1, num_experts: int | None = None) -> int:
-    """The mesh arithmetic, in one place: world = dp x sp x tp, and with the model's head counts, TP splits the
-    query and key/value heads while SP splits each TP rank's query heads again (key/value heads fewer than sp are
-    repeated). Expert parallelism splits each MoE layer's experts over ep_size of the dp x sp ranks (tp_size must
-    be 1). Returns dp; raises ValueError naming the knobs and the fix."""
+    """The mesh arithmetic, in one place: world = dp x sp x tp; TP splits the query and key/value heads, SP each
+    TP rank's query heads again; EP splits each MoE layer's experts over ep_size of the dp x sp ranks (tp_size 1).
+    Returns dp; raises ValueError naming the knobs and the fix."""
     if tp_size < 1 or sp_size < 1 or ep_size < 1:
         raise ValueError(f"tp_size={tp_size}, sp_size={sp_size} and ep_size={ep_size} must be >= 1 (1 = off)")
     n = tp_size * sp_size
@@ -133,14 +121,13 @@ def check_mesh(world_size: int, tp_size: int, sp_size: int, num_attention_heads:
         raise ValueError(f"num_key_value_heads={num_key_value_heads} must be divisible by tp_size={tp_size}: TP "
                          f"splits the key/value heads; choose a tp_size dividing {num_key_value_heads}")
     if ep_size > 1:
-        fsdp = world_size // tp_size
         if tp_size > 1:
             raise ValueError(f"ep_size={ep_size} with tp_size={tp_size}: expert parallelism runs without tensor "
                              "parallelism; set tp_size=1 (EP + FSDP + sp_size for long sequences)")
-        if fsdp % ep_size:
-            raise ValueError(f"ep_size={ep_size} must divide the dp x sp = {fsdp} ranks (experts are split over "
-                             f"ep_size ranks, FSDP-sharded over the other {fsdp} / ep_size); choose an ep_size "
-                             f"dividing {fsdp}")
+        if world_size % ep_size:  # tp_size 1: every rank is an FSDP rank
+            raise ValueError(f"ep_size={ep_size} must divide the dp x sp = {world_size} ranks (experts are split over "
+                             f"ep_size ranks, FSDP-sharded over the other {world_size} / ep_size); choose an ep_size "
+                             f"dividing {world_size}")
         if num_experts is not None and (num_experts == 0 or num_experts % ep_size):
             raise ValueError(f"ep_size={ep_size} must divide num_experts={num_experts} (each rank holds "
                              f"num_experts / ep_size experts of every MoE layer; a dense model has none); choose "
@@ -151,18 +138,11 @@ def check_mesh(world_size: int, tp_size: int, sp_size: int, num_attention_heads:
 @dataclass
 class ParallelDims:
     """world = dp x sp x tp ranks; rank = (dp_rank * sp + sp_rank) * tp + tp_rank (TP innermost, on one node).
-
-    dp: data-parallel replicas, the groups that see different data. The sp x tp ranks of one replica run the same
-    micro-batches: TP splits the weights' heads and features, SP the tokens. FSDP shards parameters, gradients and
-    optimizer states over the dp x sp ranks of the same TP index (fsdp_size) and sums gradients over them.
-
-    ep: expert parallelism (tp = 1): the fsdp_size ranks, numbered f = dp_rank * sp + sp_rank, form groups of ep
-    consecutive ranks (ep_rank = f % ep) that split each MoE layer's experts and exchange tokens; expert weights are
-    FSDP-sharded over the efsdp_size = fsdp_size / ep ranks of the same ep_rank, all other weights as above.
-
-    Asynchronous rollout: world_size counts the trainer ranks only, the first of torchrun's; the ranks after them only
-    generate (rank >= world_size: is_generator). group spans the trainer ranks, rollout_group trainer rank 0 and the
-    generators."""
+    dp replicas see different data; the sp x tp ranks of one replica run the same micro-batches (TP splits heads and
+    features, SP tokens). FSDP shards over, and sums gradients over, the fsdp_size = dp x sp ranks of one TP index.
+    ep (tp = 1): groups of ep consecutive fsdp ranks split each MoE layer's experts, whose weights FSDP shards over
+    the efsdp_size = fsdp_size / ep ranks of the same ep_rank. Asynchronous rollout: world_size counts the trainer
+    ranks, the first of torchrun's; the ranks after them only generate (is_generator)."""
     world_size: int
     rank: int
     local_rank: int
@@ -213,9 +193,8 @@ class ParallelDims:
 
 
 def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1, rollout: int = 0) -> ParallelDims:
-    """This rank's ParallelDims from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (plain python: one rank); the
-    mesh and the device are checked before any process group or device is set up. rollout > 0: the last rollout
-    ranks only generate; the mesh spans the others (every rank takes part in creating its groups)."""
+    """This rank's ParallelDims from torchrun's environment (plain python: one rank), checked before any process
+    group or device is set up. rollout > 0: the last rollout ranks only generate; the mesh spans the others."""
     total = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), total - rollout
     kind = device_type(device)
@@ -253,8 +232,7 @@ def all_gather_objects(obj, dims: ParallelDims) -> list:
 
 
 def sum_over_dp(values: dict, dims: ParallelDims) -> dict:
-    """Sum of a dict of floats over the dp replicas (same keys on every rank). The sp x tp ranks of one replica run
-    the same micro-batches and hold the same values: each replica's count once."""
+    """Sum of a dict of floats over the dp replicas only: the sp x tp ranks of a replica hold the same values."""
     if dims.dp == 1 or not values:
         return values
     keys = sorted(values)
@@ -277,8 +255,7 @@ def barrier(dims: ParallelDims):
 
 
 def send_object(obj, dst: int) -> list:
-    """Send a picklable obj to rank dst without waiting: its size, then its bytes (CPU tensors: gloo). -> the sends'
-    work handles (they hold the buffers; wait on them before exiting)."""
+    """Send a picklable obj to rank dst without waiting -> the work handles (they hold the buffers: wait on them)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     return [dist.isend(torch.tensor([data.numel()]), dst), dist.isend(data, dst)]
 
@@ -294,50 +271,45 @@ def recv_object(src: int):
 
 def broadcast_buckets(buckets, group, device: torch.device):
     """Buckets of (name, full tensor) from the group's first rank, which passes them, to its other ranks, which pass
-    None and iterate what this yields: per bucket its names and shapes, then one flat tensor (NCCL on GPUs); an empty
-    list ends. Collective over group: every rank iterates to the end."""
-    src, it = dist.get_global_rank(group, 0), iter(buckets or ())
+    None and iterate what this yields (per bucket: names and shapes, then one flat tensor). Every rank iterates."""
+    src, is_src, it = dist.get_global_rank(group, 0), buckets is not None, iter(buckets or ())
     while True:
-        bucket = next(it, []) if buckets is not None else None
-        meta = [[(n, t.shape, t.dtype) for n, t in bucket] if bucket is not None else None]
+        bucket = next(it, []) if is_src else None
+        meta = [[(n, t.shape, t.dtype) for n, t in bucket] if is_src else None]
         dist.broadcast_object_list(meta, src=src, group=group)
         if not meta[0]:
             return
-        flat = (torch.cat([t.reshape(-1) for _, t in bucket]) if bucket is not None else
-                torch.empty(sum(s.numel() for _, s, _ in meta[0]), dtype=meta[0][0][2], device=device))
+        sizes = [shape.numel() for _, shape, _ in meta[0]]
+        flat = (torch.cat([t.reshape(-1) for _, t in bucket]) if is_src else
+                torch.empty(sum(sizes), dtype=meta[0][0][2], device=device))
         dist.broadcast(flat, src=src, group=group)
-        if bucket is None:
-            yield [(n, t.view(s)) for (n, s, _), t in zip(meta[0], flat.split([s.numel() for _, s, _ in meta[0]]))]
+        if not is_src:
+            yield [(n, t.view(shape)) for (n, shape, _), t in zip(meta[0], flat.split(sizes))]
 
 
 # -----------------------------------------------------------------------------
-# tensor parallel, sequence parallel, compile and FSDP2, applied in torchtitan's order: TP, activation
-# checkpointing (model flag), compile, FSDP
+# TP, SP, EP, compile and FSDP2, in torchtitan's order (activation checkpointing is a model flag)
 
-# q/k/v/gate/up split their output features (heads) across TP ranks, o/down their input features, so each
-# block needs one all-reduce after attention and one after the MLP; norms and embeddings stay replicated.
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-           "mlp.down_proj": "rowwise"}
+# q/k/v/gate/up split their output features across TP ranks, o/down their input features: one all-reduce after
+# attention and one after the MLP; norms and embeddings stay replicated.
+TP_PLAN = {"self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel,
+           "self_attn.v_proj": ColwiseParallel, "self_attn.o_proj": RowwiseParallel,
+           "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel}
 
 
 def apply_tp(model, tp_mesh):
-    """TP_PLAN on every block; a MoE block has no mlp.gate_proj/up_proj/down_proj: its router and experts stay
-    replicated over the TP ranks (each computes all of them on the same tokens)."""
+    """TP_PLAN on every block; a MoE block's router and experts (no mlp.*_proj) stay replicated over the TP ranks."""
     tp, cfg = tp_mesh.size(), model.config
     check_mesh(tp, tp, 1, cfg.num_attention_heads, cfg.num_key_value_heads)
-    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.model.layers:
         names = {name for name, _ in block.named_modules()}
-        parallelize_module(block, tp_mesh, {k: style[v]() for k, v in TP_PLAN.items() if k in names})
+        parallelize_module(block, tp_mesh, {k: style() for k, style in TP_PLAN.items() if k in names})
         if cfg.qk_norm:  # Qwen3's per-head q/k norms see only this rank's heads: sum their gradients
             block.self_attn.q_norm.grad_sum_group = block.self_attn.k_norm.grad_sum_group = tp_mesh.get_group()
 
 
 def apply_sp(model, sp_mesh, tp: int = 1):
-    """Ulysses sequence parallelism (model.py, split_for_sp): the packed log-prob forward splits its tokens over
-    sp_mesh's ranks, which all pass the same row and get the same outputs. Each rank attends with 1/sp of this
-    TP rank's query heads; kv heads fewer than sp are repeated in the forward."""
+    """Ulysses sequence parallelism (model.py, split_for_sp): packed log-prob forwards split tokens over sp_mesh."""
     sp, cfg = sp_mesh.size(), model.config
     check_mesh(tp * sp, tp, sp, cfg.num_attention_heads, cfg.num_key_value_heads)
     model.sp_group = sp_mesh.get_group()
@@ -351,19 +323,10 @@ def expert_modules(model) -> list:
     return [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Parameter) for n in EXPERT_STACKS)]
 
 
-def _all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
-    return out
-
-
 def apply_ep(model, ep_mesh):
-    """Expert parallelism: each expert stack becomes a DTensor sharded along experts over ep_mesh (this rank keeps
-    num_experts / ep of them), and each Experts module exchanges tokens around its forward (torchtitan's scheme):
-    its input, rows sorted by expert with cumulative counts `ends`, goes to the ranks holding those experts
-    (all-to-all of the counts, then of the rows, with uneven splits), is regrouped by local expert, computed, and
-    the outputs travel back the same way. The all-to-alls are differentiable, so each rank's expert gradients
-    come from every token routed to its experts."""
+    """Expert parallelism (torchtitan's scheme): expert stacks become DTensors sharded along experts over ep_mesh;
+    each Experts module sends its input rows (sorted by expert, cumulative counts `ends`) to the ranks holding those
+    experts and the outputs back, by differentiable all-to-alls (the counts first, then the rows)."""
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     for experts in expert_modules(model):
         for name in EXPERT_STACKS:  # src_data_rank=None: every rank slices its own rows (works on meta too)
@@ -375,7 +338,8 @@ def apply_ep(model, ep_mesh):
         def dispatch(module, args, state=state):
             x, ends = args
             counts = torch.diff(ends, prepend=ends.new_zeros(1)).view(ep, -1)  # [destination rank, its expert]
-            recv = _all_to_all_counts(counts, group)  # [source rank, my expert]
+            recv = torch.empty_like(counts)  # [source rank, my expert]
+            dist.all_to_all_single(recv, counts.contiguous(), group=group)
             state["splits"] = counts.sum(1).tolist(), recv.sum(1).tolist()  # rows sent to / received from each rank
             rows = all_to_all_single_autograd(x, state["splits"][1], state["splits"][0], group)
             local = torch.arange(recv.shape[1], device=x.device).repeat(ep).repeat_interleave(recv.flatten())
@@ -391,10 +355,8 @@ def apply_ep(model, ep_mesh):
 
 
 def reduce_router_loads(router_loads: list, group) -> list:
-    """Each MoE layer's router_load (model.py: [2, E] top-k picks and summed router probabilities of this rank's
-    tokens) summed over `group` (the dp x sp ranks, dims.fsdp_mesh.get_group()), with this rank's gradient path
-    only: load_balancing_loss of the result equals one process's over all the group's tokens, and the gradients
-    that FSDP sums over the ranks add up to its gradient. One all-reduce for all layers."""
+    """Each MoE layer's router_load (model.py) summed over `group` (the dp x sp ranks) with this rank's gradient path
+    only, so that the gradients FSDP sums add up to those of the aux loss over all the group's tokens."""
     if not router_loads or group is None or dist.get_world_size(group) == 1:
         return router_loads
     local = torch.stack(router_loads)
@@ -404,30 +366,22 @@ def reduce_router_loads(router_loads: list, group) -> list:
 
 
 def apply_compile(model):
-    """torch.compile each decoder block, in place: nn.Module.compile keeps the parameter names (HF's), where a
-    torch.compile wrapper module would prefix them with _orig_mod. Blocks, not the whole model, as torchtitan: the
-    blocks are alike (no layer index inside), so all share one graph and compile time is that of one block. Shapes:
-    torch's default: the second token count seen recompiles once with a symbolic token count, while heads and
-    features stay static. (dynamic=True would make those symbolic too.) All blocks of one forward see the same
-    shapes, so an activation-checkpoint recompute finds the graph its forward used."""
+    """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod prefix).
+    Blocks, as torchtitan: they are alike, so all share one graph and compile time is that of one block."""
     for block in model.model.layers:
         block.compile()
 
 
 def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False,
                expert_mesh=None):
-    """fully_shard each decoder block, then the root (embeddings, final norm, output layer). Parameters stay
-    fp32 (the master copy, sharded, as are AdamW's states); compute runs in param_dtype, gradients reduce in fp32.
-    Gradients are summed over the FSDP ranks, not averaged: the trainer's loss carries the one denominator.
-
-    Inputs are not cast (cast_forward_inputs=False): a block's hidden states are in param_dtype already (they come
-    from the param_dtype embedding), and RoPE's cos/sin stay fp32, as model.py means them to; casting them can give
-    an activation-checkpointed block's recompute other dtypes than its forward saw."""
+    """fully_shard each decoder block, then the root: fp32 master parameters, compute in param_dtype, gradients
+    reduced in fp32 and summed, not averaged (the trainer's loss carries the one denominator). Inputs are not cast:
+    RoPE's cos/sin stay fp32, and a cast could give an activation-checkpoint recompute other dtypes."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     units = []
-    if expert_mesh is not None:  # expert stacks (EP DTensors) first, their own units over the efsdp ranks; dim 1,
-        for experts in expert_modules(model):  # as dim 0 is split by EP already
+    if expert_mesh is not None:  # expert stacks first, their own units over efsdp, on dim 1 (EP splits dim 0)
+        for experts in expert_modules(model):
             units.append(fully_shard(experts, mesh=expert_mesh["efsdp"], shard_placement_fn=lambda p: Shard(1), **kw))
     for block in model.model.layers:
         units.append(fully_shard(block, mesh=fsdp_mesh, **kw))
@@ -439,7 +393,7 @@ def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.
 
 def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False, compile: bool = False):
     """Shard `model` for dims: TP, SP, EP, optionally compile each block, then FSDP2 over dims.fsdp_mesh (expert
-    stacks under EP: over dims.expert_mesh["efsdp"]), which sums gradients over dims.fsdp_size ranks."""
+    stacks: over dims.expert_mesh["efsdp"])."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
     if dims.sp > 1:
@@ -454,11 +408,9 @@ def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: 
 
 
 def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat16, rename=None):
-    """Yield lists of (name, full tensor) whose sizes add up to about bucket_bytes, gathered from the sharded model
-    (FSDP, TP, EP) in a fixed order. rename(name, full tensor) -> [(name, tensor)] maps each parameter to the
-    engine's tensors (model.hf_tensors: an expert stack to one view per expert and projection, which fill buckets
-    one by one); None keeps the parameter names. Collective: every rank must iterate to the end. Extra memory:
-    one bucket plus the parameter being cut up (a whole expert stack)."""
+    """Yield lists of (name, full tensor) of about bucket_bytes each, gathered from the sharded model in a fixed
+    order. rename(name, full tensor) -> [(name, tensor)] maps a parameter to the engine's tensors (model.hf_tensors);
+    None keeps the names. Collective: every rank iterates to the end. Extra memory: one bucket plus one parameter."""
     bucket, size = [], 0
     for name, p in model.named_parameters():
         t = p.detach().to(dtype)  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
@@ -491,7 +443,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
 # -----------------------------------------------------------------------------
 # distributed checkpoints: out_dir/checkpoints/step_N/{dcp/, trainer_state.pt, COMPLETE, + an HF export}
 
-TRAINER_STATE_KEYS = ("step", "scheduler", "sampler", "rng")  # the trainer's state; save_checkpoint adds rng
+TRAINER_STATE_KEYS = ("step", "scheduler", "sampler", "rng")  # save_checkpoint adds rng
 
 
 class CheckpointError(RuntimeError):
@@ -503,8 +455,7 @@ class CheckpointError(RuntimeError):
 
 
 def _cause(e: BaseException) -> BaseException:
-    """The exception behind DCP's CheckpointException (a BaseException that wraps every failed rank's exception
-    and traceback): the first rank's. Any other exception: itself."""
+    """The first failed rank's exception behind DCP's CheckpointException (a BaseException); else e itself."""
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
         return first[0] if isinstance(first, tuple) else first
@@ -530,11 +481,9 @@ def _agree(problem: str | None, dims: ParallelDims) -> str | None:
 
 
 def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims: ParallelDims, export=None):
-    """Model and optimizer shards through torch.distributed.checkpoint (reloadable at any world size), the
-    trainer state and every rank's RNG from rank 0, and export(tmp_dir) (collective, e.g. HF safetensors).
-    Written to path + ".tmp" and renamed once complete, so a crash never leaves a checkpoint that looks whole.
-    A failed write (a full disk, any OSError) removes the .tmp directory and raises CheckpointError on every
-    rank; older checkpoints are not touched."""
+    """DCP model and optimizer shards (reloadable at any world size), the trainer state and every rank's RNG, and
+    export(tmp_dir) (collective: the HF export), in path + ".tmp", renamed once complete. A failed write removes the
+    .tmp directory and raises CheckpointError on every rank; older checkpoints are not touched."""
     missing = [k for k in TRAINER_STATE_KEYS if k != "rng" and k not in trainer_state]
     if missing:
         raise ValueError(f"trainer_state lacks {', '.join(missing)}: a resume reads {', '.join(TRAINER_STATE_KEYS)}")
@@ -588,69 +537,56 @@ def prune_checkpoints(root: str, keep_last: int, dims: ParallelDims):
     barrier(dims)
 
 
-def _verify_checkpoint(path: str) -> dict:
-    """Every file of a checkpoint, checked without loading it into a model: the COMPLETE marker; the trainer
-    state (loaded, its keys); the DCP metadata; each shard file it names, present and as long as the furthest
-    offset + length recorded in it (a truncated write); the HF export's config.json. Returns the trainer state;
-    raises CheckpointError naming the first file that fails."""
-    def fail(reason):
-        raise CheckpointError(path, reason)
-
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint at path is not fit to resume from, in one line naming the first file that fails, or None.
+    Checks every file without loading a model: COMPLETE, the trainer state's keys, the DCP metadata and each shard it
+    names (present, not shorter than its recorded items), the HF export's config.json."""
     if not os.path.isdir(path):
-        fail("no such directory")
+        return "no such directory"
     if not os.path.isfile(os.path.join(path, "COMPLETE")):
-        fail("COMPLETE is missing (the write did not finish)")
+        return "COMPLETE is missing (the write did not finish)"
     state_file = os.path.join(path, "trainer_state.pt")
     if not os.path.isfile(state_file):
-        fail("trainer_state.pt is missing")
+        return "trainer_state.pt is missing"
     try:
         state = torch.load(state_file, weights_only=False)  # written by save_checkpoint: RNG states need pickle
     except Exception as e:
-        fail(f"trainer_state.pt: {_one_line(e)}")
+        return f"trainer_state.pt: {_one_line(e)}"
     missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
-        fail(f"trainer_state.pt lacks {', '.join(missing)}")
+        return f"trainer_state.pt lacks {', '.join(missing)}"
     shards = os.path.join(path, "dcp")
     if not os.path.isfile(os.path.join(shards, ".metadata")):
-        fail("dcp/.metadata is missing")
+        return "dcp/.metadata is missing"
     try:
         metadata = dcp.FileSystemReader(shards).read_metadata()
         needed = {}  # shard file -> bytes its recorded items reach
         for info in metadata.storage_data.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     except Exception as e:
-        fail(f"dcp/.metadata: {_one_line(e)}")
+        return f"dcp/.metadata: {_one_line(e)}"
     for name, size in sorted(needed.items()):
         f = os.path.join(shards, name)
         if not os.path.isfile(f):
-            fail(f"dcp/{name} is missing")
+            return f"dcp/{name} is missing"
         if os.path.getsize(f) < size:
-            fail(f"dcp/{name} is truncated ({os.path.getsize(f)} of {size} bytes)")
+            return f"dcp/{name} is truncated ({os.path.getsize(f)} of {size} bytes)"
     try:
         with open(os.path.join(path, "config.json")) as f:
             json.load(f)
     except (OSError, ValueError) as e:
-        fail(f"config.json: {_one_line(e)}")
-    return state
-
-
-def checkpoint_problem(path: str) -> str | None:
-    """Why the checkpoint at path is not fit to resume from, in one line naming the file (e.g. "dcp/__0_0.distcp
-    is truncated (1234 of 5678 bytes)"), or None when every file checks out. Reads files only; loads no model."""
-    try:
-        _verify_checkpoint(path)
-    except CheckpointError as e:
-        return e.reason
+        return f"config.json: {_one_line(e)}"
     return None
 
 
 def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
-    """Load shards saved at any world size into this run's sharding and this rank's RNG state; returns the trainer
-    state (step, scheduler, sampler). The whole checkpoint is checked first (checkpoint_problem's checks), so a
-    missing, truncated or unreadable file raises CheckpointError before the model or optimizer changes. Should
-    DCP still fail while copying shards in (bytes corrupted in place), CheckpointError leaves them partly
-    loaded: load another complete checkpoint over them, or start again; never train on."""
-    state = _verify_checkpoint(path)
+    """Load shards saved at any world size into this run's sharding, and this rank's RNG state -> the trainer state.
+    Every file is checked first, so a bad one raises CheckpointError before the model or optimizer changes. Should
+    DCP still fail (bytes corrupted in place), the shards are partly loaded: load another checkpoint, never train on."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(path, problem)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sharded = {"model": model_sd, "optim": optim_sd}
     try:

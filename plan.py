@@ -35,49 +35,38 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     "generation_gib", "peak_gib", "verdict": "fits" | "does not fit", "largest", "knob", "notes", ...}.
     peak = resident + max(training, generation): the KV cache is freed (engine.sleep) before the update starts.
 
-    The terms (P = model_cfg.num_params(); tp = cfg.tp_size, sp = cfg.sp_size, ep = cfg.ep_size,
-    dp = world_size / (tp * sp) replicas, FSDP over fsdp = dp * sp ranks; w = 2 bytes, 4 for float32):
-    - params 4, grads 4, AdamW 8 bytes/param, sharded by FSDP over fsdp and, for the q/k/v/o/gate/up/down weights,
-      by TP; embeddings, lm_head, norms and a MoE layer's router and experts are replicated over TP. Expert
-      stacks: 1/ep per EP rank, FSDP-sharded over fsdp / ep, so 1/fsdp per GPU with or without EP. param_offload or optimizer_offload moves all
-      three to the host (FSDP2 offloads them together): counted in host_gib instead. World size 1 has no FSDP:
-      full fp32 copies on the GPU, and offload does not apply.
+    The terms (P = model_cfg.num_params(); tp, sp, ep = cfg.tp_size, sp_size, ep_size; dp = world_size / (tp * sp);
+    FSDP over fsdp = dp * sp ranks; w = 2 bytes, 4 for float32):
+    - params 4, grads 4, AdamW 8 bytes/param, sharded over fsdp and, for the q/k/v/o/gate/up/down weights, by TP
+      (embeddings, lm_head, norms, router and experts are replicated over TP). Expert stacks: 1/ep per EP rank,
+      FSDP-sharded over fsdp / ep, so 1/fsdp per GPU either way. param_offload or optimizer_offload moves all three
+      to the host (host_gib). World size 1: no FSDP, full fp32 copies on the GPU, offload does not apply.
     - ref_params: a second fp32 shard (same offload) when use_kl_loss or use_kl_in_reward.
-    - engine_weights: world size > 1: the built-in engine generates from its own full copy of the weights
-      (w bytes/param), which train() keeps on the GPU for the whole run. World size 1: it shares the trainer's.
-    - working: FSDP all-gathers units in compute dtype: the root unit (embeddings, lm_head, final norm; kept
-      unsharded through forward and backward) plus one decoder block at a time (the larger kind: dense, or MoE
-      with its router and num_experts / ep experts), x2 for the prefetched next unit and the unsharded gradients.
-      World size 1: autocast's cached compute-dtype copy of every weight, w * P.
-    - activations, for this GPU's tokens of one update micro-batch: the micro-batch's tokens / sp, as sequence
-      parallelism gives each of its sp ranks 1/sp of them (attention's q, k, v: all tokens, 1/sp of the heads: the
-      same bytes). A micro-batch is ppo_max_token_len_per_gpu * sp tokens with use_dynamic_bsz (verl's convention:
-      the budget stays per GPU), else ppo_micro_batch_size_per_gpu * (max_prompt_length + max_response_length).
-      One block saves, per token, in bf16 bytes: 2 RMSNorms x (fp32 input 4h + output 2h) + the q/k/v and
-      gate/up inputs 2h + 2h, flash attention's q, k and v (k, v repeated to all heads) and output 8q, the MLP's
-      gate, up, silu(gate) and product 8i, and with Qwen3's q/k norms 6q + 6kv: 16h + 8q + 8i (+ 6q + 6kv),
-      h = hidden, q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate; the q, kv and i parts are split
-      by TP, the h parts are not (tests/test_configs.py holds this against a measured peak). A MoE layer's MLP
-      instead (not measured): each token's top-k rows through experts of width I, 8kI, the rows sorted by expert,
-      their outputs and those back in token order, 6kh, and the fp32 router logits and probabilities, 8E.
-    - a2a_buffers (ep > 1): one MoE layer's all-to-all, rows sent and received: 2 x tokens x k x h x w, for
-      balanced routing.
-      gradient_checkpointing keeps each block's input (tokens * h * w per layer) plus one block's activations
-      during its recompute, an upper bound; without it every block's activations stay.
-    - logprob_buffer: the chunked fp32 log-prob/entropy: logprob_chunk tokens (or this GPU's tokens, if fewer)
-      * vocab * 4 bytes * ~3 (logits, softmax, their gradient). The no-grad old/ref log-prob pass holds less than
-      an update micro-batch and is not counted.
-    - kv_cache: max(max_num_seqs, n) rows (with CUDA graphs the cache has max_num_seqs rows; a wave holds at least
-      one whole group of n) x (max_prompt_length + max_response_length) positions x layers x 2 (k, v) x kv_heads x
-      head_dim, in the compute dtype (world size 1 too: the engine generates under the trainer's autocast).
+    - engine_weights: world size > 1: the built-in engine's own full copy (w bytes/param) for the whole run.
+    - working: FSDP all-gathers in compute dtype the root unit (embeddings, lm_head, final norm; unsharded through
+      forward and backward) plus the larger decoder block (dense, or MoE with its num_experts / ep experts), x2 for
+      the prefetched unit and the unsharded gradients. World size 1: autocast's compute-dtype copy, w * P.
+    - activations of one update micro-batch, this GPU's tokens (1/sp of them): ppo_max_token_len_per_gpu * sp with
+      use_dynamic_bsz (verl's convention: the budget stays per GPU), else ppo_micro_batch_size_per_gpu *
+      (max_prompt_length + max_response_length). A block saves, per token, in bf16 bytes: 2 RMSNorms x (fp32 input
+      4h + output 2h) + the q/k/v and gate/up inputs 2h + 2h, attention's q, k, v (repeated to all heads) and output
+      8q, the MLP's gate, up, silu(gate) and product 8i, with q/k norms + 6q + 6kv: 16h + 8q + 8i (+ 6q + 6kv),
+      h = hidden, q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate; TP splits the q, kv and i parts
+      (tests/test_configs.py holds this against a measured peak). A MoE layer's MLP instead (not measured): top-k
+      rows through experts of width I, 8kI, the sorted rows, outputs and those back in token order, 6kh, and the
+      fp32 router logits and probabilities, 8E. gradient_checkpointing keeps each block's input (tokens * h * w per
+      layer) plus one block's activations during its recompute (an upper bound); without it every block's stay.
+    - a2a_buffers (ep > 1): one MoE layer's all-to-all, rows sent and received: 2 x tokens x k x h x w (balanced).
+    - logprob_buffer: logprob_chunk tokens (or this GPU's, if fewer) * vocab * 4 bytes * ~3 (logits, softmax, their
+      gradient). The no-grad old/ref log-prob pass holds less and is not counted.
+    - kv_cache: max(max_num_seqs, n) rows (a wave holds at least one group of n) x (max_prompt_length +
+      max_response_length) x layers x 2 x kv_heads x head_dim, in the compute dtype.
     - runtime: a flat runtime_gib for what the allocator does not see (CUDA context, NCCL buffers, fragmentation).
     engine="vllm" (rollout.VLLMEngine) replaces engine_weights and kv_cache: vllm_awake = gpu_memory_utilization
-    x gpu_gib (vLLM takes exactly that while awake: its weights / gen_tp, KV cache, activations), vllm_asleep a
-    flat 1 GiB kept through training (its CUDA-graph pool and allocator), sync_bucket = one bucket of the weight
-    push (weight_sync_bucket_mb, full tensors in compute dtype) plus the largest parameter, gathered whole before
-    it is cut into HF tensors (an expert stack, or the embeddings). Its KV capacity goes to the notes; an engine
-    whose bf16 weights / gen_tp leave no KV cache in gpu_memory_utilization x GPU does not fit.
-    A mesh that does not divide the world size or the heads raises ValueError (parallel.check_mesh).
+    x gpu_gib (what vLLM takes while awake), vllm_asleep a flat 1 GiB kept through training (graph pool,
+    allocator), sync_bucket = one bucket of the weight push (weight_sync_bucket_mb) plus the largest parameter,
+    gathered whole before it is cut into HF tensors. An engine whose bf16 weights / gen_tp leave no KV cache in
+    gpu_memory_utilization x GPU does not fit. A mesh that does not divide raises ValueError (parallel.check_mesh).
     """
     m = model_cfg
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
@@ -145,14 +134,12 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     if (cfg.param_offload or cfg.optimizer_offload) and not sharded:
         notes.append("param_offload/optimizer_offload act only under FSDP (world size > 1)")
     if vllm:
-        gen_tp, kv_gib = cfg.gen_tp, vllm_kv_gib
-        seqs = kv_gib * GiB / (kv_token * seq)
-        notes.append(f"vLLM engine of TP {gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x {gen_tp} GPUs "
-                     f"- weights {2 * P / GiB:.1f} GiB leaves ~{kv_gib:.0f} GiB of KV cache = {seqs:.0f} sequences "
-                     f"of max length ({seq} tokens) in flight" + ("" if seqs >= cfg.n else
-                                                                 f": fewer than n={cfg.n}, raise "
-                                                                 "gpu_memory_utilization or gen_tp"))
-        if kv_gib <= 0:
+        seqs = vllm_kv_gib * GiB / (kv_token * seq)
+        short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
+        notes.append(f"vLLM engine of TP {cfg.gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x "
+                     f"{cfg.gen_tp} GPUs - weights {2 * P / GiB:.1f} GiB leaves ~{vllm_kv_gib:.0f} GiB of KV cache = "
+                     f"{seqs:.0f} sequences of max length ({seq} tokens) in flight{short}")
+        if vllm_kv_gib <= 0:
             largest = "vllm_awake"
     if n_moe and ep > 1:
         notes.append(f"EP {ep}: each GPU computes {E // ep} of {E} experts a MoE layer; all-to-all rows assume "
@@ -165,16 +152,16 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
         notes.append(f"with the vLLM engine (rollout_engine='vllm'), GiB left for KV per engine at "
                      f"gpu_memory_utilization 0.8 of {gpu_gib:g} GiB: {room}")
     return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "ep": ep, "gpu_gib": gpu_gib, "num_params": P,
-            "num_active_params": m.num_active_params(),
-            "engine": engine, "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib,
-            "resident_gib": total["resident"], "training_gib": total["training"],
-            "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,
-            "verdict": "fits" if fits else "does not fit", "largest": largest,
+            "num_active_params": m.num_active_params(), "engine": engine, "tokens_per_micro_batch": tokens,
+            "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib, "resident_gib": total["resident"],
+            "training_gib": total["training"], "generation_gib": total["generation"], "peak_gib": peak,
+            "peak_phase": peak_phase, "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, sharded, n_moe > 0), "notes": notes}
 
 
 def _memory_knob(term: str, cfg, sharded: bool, moe: bool = False) -> str:
     """What to turn when `term` is the largest part of a peak that does not fit."""
+    budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
     if term in ("params", "grads", "optimizer", "ref_params"):
         if not sharded:
             return "more GPUs (FSDP shards params, grads and AdamW states over dp; offload needs world size > 1)"
@@ -184,7 +171,6 @@ def _memory_knob(term: str, cfg, sharded: bool, moe: bool = False) -> str:
             return "ep_size (splits each MoE layer's experts over ep_size GPUs)"
         return "tp_size (splits the unsharded block weights), or more GPUs" if sharded else "more GPUs (FSDP)"
     if term == "a2a_buffers":
-        budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
         return f"{budget} (rows exchanged per MoE layer), or sp_size"
     if term == "vllm_awake":
         return ("gen_tp (vLLM's bf16 weights, 2 bytes x params / gen_tp per GPU, must fit in gpu_memory_utilization "
@@ -195,7 +181,6 @@ def _memory_knob(term: str, cfg, sharded: bool, moe: bool = False) -> str:
     if term == "activations":
         if not cfg.gradient_checkpointing:
             return "gradient_checkpointing=True"
-        budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
         return f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)"
     if term == "logprob_buffer":
         return "logprob_chunk"

@@ -1,25 +1,21 @@
 """
 Generation (rollout). One interface, two engines:
 
-- TorchEngine: the built-in batched sampler over model.py. Runs anywhere (CPU demo, CI, a GPU without
-  vLLM, an NPU). Prompts are prefilled once, packed; the n samples of a prompt copy that prompt's KV
-  into their rows of a preallocated cache; every decode step is one batched forward of one token per
-  live row; finished rows are compacted away; on CUDA the decode step is replayed from CUDA graphs
-  captured per batch-size bucket and cache span.
-- VLLMEngine: vLLM in the training process ("colocated"). Every torchrun rank holds its share of an
-  engine next to its FSDP shard; ranks [e * gen_tp, (e + 1) * gen_tp) form engine e, which generates for
-  its share of the prompts. Weights come from the trainer in buckets of full tensors (no file, no
-  server); between rollouts the engine sleeps and gives its memory back to training.
+- TorchEngine: the built-in batched sampler over model.py; runs anywhere (CPU, a GPU without vLLM, an NPU).
+  Prompts are prefilled once, packed; a prompt's n samples copy its KV into their rows of a preallocated cache;
+  each decode step is one batched forward of one token per live row; finished rows are compacted away; on CUDA
+  the decode step is replayed from CUDA graphs.
+- VLLMEngine: vLLM in the training process ("colocated"): ranks [e * gen_tp, (e + 1) * gen_tp) form engine e,
+  which generates its share of the prompts from weights pushed by the trainer in buckets of full tensors, and
+  sleeps between rollouts to give its memory back to training.
 
-The interface: generate(prompts, params, version) -> per prompt, n Completions; load_weights(buckets,
-version); wake_up(tags); sleep(). `weights_version` is the trainer version the engine holds (None: no
-weights); generating with another version than the caller's raises StaleWeightsError.
+The interface: generate(prompts, params, version) -> per prompt, n Completions; load_weights(buckets, version);
+wake_up(tags); sleep(). `weights_version` is the trainer version the engine holds (None: no weights); generating
+with another version than the caller's raises StaleWeightsError.
 
-Log-probs returned by both are those of the sampled tokens under log_softmax(logits / temperature),
-the same transform the trainer uses. top-p / top-k restrict what is sampled; the built-in engine's
-log-probs ignore them, vLLM's ("processed_logprobs") are renormalized over the kept tokens, so with
-top_p < 1 or top_k the two differ from the trainer's by the log of the kept mass (training defaults
-top_p=1, top_k=-1 make all three equal).
+Log-probs are the sampled tokens' under log_softmax(logits / temperature), as the trainer computes them. With
+top_p < 1 or top_k, vLLM's ("processed_logprobs") are renormalized over the kept tokens and the built-in engine's
+are not, so they differ by the log of the kept mass (the training defaults top_p=1, top_k=-1 make them equal).
 """
 import importlib.util
 import os
@@ -86,18 +82,11 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generato
 
 
 class TorchEngine:
-    """Batched generation over a model.Transformer it shares with the trainer (no weight copy).
-
-    Memory: a KV cache of at most max_num_seqs x (longest prompt + max_tokens) tokens x layers x 2 x kv_heads
-    x head_dim in the model's dtype (Qwen2.5-1.5B: 28 KiB per token in bf16), allocated by the first generate
-    that needs it, reused while it is large enough, freed by sleep(). A sharded trainer (FSDP / TP) gives this
-    engine its own full bf16 copy of the model (shares_weights=False), filled by load_weights before every
-    rollout: one more model in memory for the whole run.
-
-    Decode on CUDA: the step is many small kernels, so it is replayed from CUDA graphs captured per (batch-size
-    bucket, cache span); attention reads only the first `span` cache positions, the live length rounded up
-    (see _span).
-    """
+    """Batched generation over a model.Transformer, the trainer's own (shares_weights) or, under FSDP / TP, a full
+    bf16 copy filled by load_weights before every rollout. The KV cache (at most max_num_seqs x (longest prompt +
+    max_tokens) positions) is allocated by the first generate that needs it, reused while large enough, freed by
+    sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA graphs captured per (batch-size
+    bucket, cache span)."""
 
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True):
@@ -111,8 +100,7 @@ class TorchEngine:
 
     # the engine interface ------------------------------------------------------
     def load_weights(self, buckets, version: int) -> int:
-        """Copy buckets of (name, tensor) into the model (when it is a separate copy); names are the model's own
-        (an expert stack in one piece) or HF's (one tensor per expert and projection). -> bytes copied."""
+        """Copy buckets of (name, tensor), in the model's names or HF's (one per expert), into it -> bytes copied."""
         params, targets, nbytes = dict(self.model.named_parameters()), None, 0
         with torch.no_grad():
             for bucket in buckets:
@@ -138,12 +126,10 @@ class TorchEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
                  ) -> list[list[Completion]]:
-        """-> per prompt, params.n completions. Prompts are processed in waves of whole prompts
-        (at most max_num_seqs rows each). version: the trainer's weight version the caller expects."""
+        """-> per prompt, params.n completions, in waves of whole prompts (at most max_num_seqs rows each).
+        version: the trainer's weight version the caller expects."""
         check_version(self.weights_version, version)
-        g = None
-        if params.seed is not None:
-            g = torch.Generator(device=self.device).manual_seed(params.seed)
+        g = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         per_wave = max(1, self.max_num_seqs // params.n)
         out = []
         for s in range(0, len(prompts), per_wave):
@@ -152,11 +138,10 @@ class TorchEngine:
 
     # internals -----------------------------------------------------------------
     def _alloc_cache(self, rows: int, max_len: int):
-        """One preallocated cache reused across waves while it is large enough: per layer (k, v) [rows, kvh, L, D];
-        with CUDA graphs also their inputs (tokens, positions) and output (logits), shared by all graphs."""
+        """Per layer (k, v) [rows, kv_heads, max_len, head_dim], reused while large enough; with CUDA graphs also
+        their inputs (tokens, positions) and output (logits), shared by all graphs."""
         cfg, w = self.model.config, self.model.output_weight
-        # k/v come out of the projections in the autocast dtype when generating under autocast (an fp32 master
-        # model on one GPU): the cache holds what the trainer's own forward attends over
+        # under autocast (an fp32 model on one GPU) k/v come out in the autocast dtype, as in the trainer's forward
         dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else w.dtype
         c = self._cache
         if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len and c[0][0].dtype == dtype:
@@ -183,12 +168,11 @@ class TorchEngine:
         # token index of (row, t) in the packed prompt; rows of a prompt are adjacent
         start = batch.cu_seqlens[:-1].long().repeat_interleave(n)
         idx = (start[:, None] + torch.arange(Lp, device=self.device)[None]).clamp(max=ids.shape[1] - 1)
+        rows = idx.shape[0]
         for (k, v), (k_cache, v_cache) in zip(batch.collect_kv, cache):
-            rows = idx.shape[0]
             k_cache[:rows, :, :Lp] = k[idx].transpose(1, 2)  # positions past a prompt's end are masked later
             v_cache[:rows, :, :Lp] = v[idx].transpose(1, 2)
-        tok, logp = sample_tokens(logits.repeat_interleave(n, 0), params.temperature, params.top_p,
-                                  params.top_k, g)
+        tok, logp = sample_tokens(logits.repeat_interleave(n, 0), params.temperature, params.top_p, params.top_k, g)
         return tok, logp, lens.repeat_interleave(n)
 
     def _decode(self, tokens, cache_pos, cache, cache_len: int):
@@ -210,8 +194,7 @@ class TorchEngine:
         """A CUDA graph of the decode step for the first `bucket` rows, attending over the first `span` positions."""
         kv = [(k[:bucket, :, :span], v[:bucket, :, :span]) for k, v in cache]
         t_in, p_in, logits = (x[:bucket] for x in self._io)
-        # warm-up and capture really run. They write k/v at slot span - 1 of every row: no live row has written
-        # that slot yet (live rows hold positions < cache_len <= span), and each writes it before reading it.
+        # warm-up and capture really run: they write slot span - 1 of every row, which no live row holds yet
         p_in.fill_(span - 1)
 
         def step():
@@ -231,12 +214,11 @@ class TorchEngine:
 
     def _generate_wave(self, prompts, params, g):
         n, T = params.n, params.max_tokens
-        rows = len(prompts) * n
-        max_len = max(len(p) for p in prompts) + T
+        rows, longest = len(prompts) * n, max(len(p) for p in prompts)
+        max_len = longest + T
         cache = self._alloc_cache(rows if not self.use_cuda_graph else self.max_num_seqs, max_len)
         tok, logp, cache_pos = self._prefill(prompts, params, cache, g)
-        stop = torch.tensor(sorted(set(params.stop_token_ids)) if not params.ignore_eos else [-1],
-                            device=self.device)
+        stop = torch.tensor([-1] if params.ignore_eos else sorted(set(params.stop_token_ids)), device=self.device)
         out_tok = torch.full((rows, T), -1, dtype=torch.long, device=self.device)
         out_logp = torch.zeros(rows, T, device=self.device)
         alive = torch.arange(rows, device=self.device)  # original row of each live cache row
@@ -253,7 +235,7 @@ class TorchEngine:
             n_keep = int(keep.sum())  # the one host sync per step
             if n_keep == 0:
                 break
-            cache_len = max(len(p) for p in prompts) + step + 1  # positions any row reads at this step
+            cache_len = longest + step + 1  # positions any row reads at this step
             if n_keep < len(alive):  # compact: live rows move to the front of the cache
                 keep_idx = keep.nonzero()[:, 0]
                 for k, v in cache:
@@ -265,31 +247,27 @@ class TorchEngine:
             cache_pos = cache_pos + 1
         out_tok, out_logp = out_tok.tolist(), out_logp.tolist()
         lengths, stopped = lengths.tolist(), stopped.tolist()
-        results = []
-        for i in range(len(prompts)):
-            results.append([Completion(token_ids=out_tok[r][:lengths[r]],
-                                       logprobs=out_logp[r][:lengths[r]] if params.logprobs else None,
-                                       finish_reason="stop" if stopped[r] else "length")
-                            for r in range(i * n, (i + 1) * n)])
-        return results
+        flat = [Completion(token_ids=out_tok[r][:lengths[r]],
+                           logprobs=out_logp[r][:lengths[r]] if params.logprobs else None,
+                           finish_reason="stop" if stopped[r] else "length") for r in range(rows)]
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]  # a prompt's n rows are adjacent
 
 
 def _buckets(max_num_seqs: int) -> list[int]:
-    """CUDA-graph batch sizes: 2, 4, 8, then multiples of 16 up to max_num_seqs (one row costs what two do)."""
+    """CUDA-graph batch sizes: 2, 4, 8, then multiples of 16 up to max_num_seqs."""
     b = [x for x in (2, 4, 8) if x < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sorted(set(b + [max_num_seqs]))
 
 
 def _span(cache_len: int, max_len: int) -> int:
     """Cache positions a decode graph attends over: cache_len rounded up to a multiple of max(256, max_len / 16),
-    so at most 16 spans per batch bucket, and attention reads at most max_len / 16 positions it does not need."""
+    so at most 16 graphs per batch bucket."""
     step = max(256, -(-max_len // 16))
     return min(max_len, -(-cache_len // step) * step)
 
 
 def _decode_step(model, tokens, cache_pos, kv, cache_len: int):
-    """One token per row, written at cache_pos, attending over kv[:, :, :cache_len] -> logits [rows, vocab];
-    the unit the CUDA graphs replay."""
+    """One token per row, written at cache_pos, attending over kv[:, :, :cache_len] -> logits [rows, vocab]."""
     batch = AttnBatch(kv_cache=kv, cache_pos=cache_pos, cache_len=cache_len)
     return model(tokens[:, None], cache_pos[:, None], batch)[:, 0]
 
@@ -310,8 +288,7 @@ def check_version(held, expected):
 
 def engine_share(num_prompts: int, world_size: int, gen_tp: int, rank: int) -> tuple[int, int, int]:
     """-> (engine index, lo, hi): ranks [e * gen_tp, (e + 1) * gen_tp) form engine e (vLLM's "external data
-    parallel" layout: consecutive ranks share a TP group), which generates prompts[lo:hi]; every rank of an
-    engine gets the same slice. The built-in engine is the case gen_tp = 1."""
+    parallel" layout), which generates prompts[lo:hi]. The built-in engine is the case gen_tp = 1."""
     engines = world_size // gen_tp
     e = rank // gen_tp
     k = -(-num_prompts // engines)
@@ -324,10 +301,8 @@ def engine_results(per_rank: list, gen_tp: int) -> list:
 
 
 def _ensure_process_group():
-    """vLLM's external_launcher joins the process group of torchrun's ranks and reads RANK and LOCAL_RANK from
-    the environment. Under torchrun both exist. A single process started without torchrun gets a group of one
-    on 127.0.0.1, with the variables torchrun would have set; env:// in both cases, as it joins torchrun's
-    store where there is one."""
+    """vLLM's external_launcher joins torchrun's process group and reads RANK and LOCAL_RANK; a process started
+    without torchrun gets a group of one on 127.0.0.1 and the variables torchrun would have set."""
     kind = parallel.device_type()
     if not dist.is_initialized():
         if not ("MASTER_ADDR" in os.environ and "RANK" in os.environ):  # not under torchrun: a group of one
@@ -341,16 +316,6 @@ def _ensure_process_group():
     os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if kind != "cpu" else 0))
 
 
-def check_max_model_len(max_model_len: int, model_path: str):
-    """vLLM refuses a max_model_len above the model's max_position_embeddings (positions past it were never
-    trained): say so in the trainer's terms, before the engine starts."""
-    limit = load_config(model_path).max_position_embeddings
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} (max_prompt_length + max_response_length) is above "
-                         f"max_position_embeddings={limit} in {os.path.join(model_path, 'config.json')}: lower "
-                         f"max_prompt_length or max_response_length so that their sum is at most {limit}")
-
-
 def free_device_memory() -> int:
     """Bytes free on the current accelerator as the driver sees them, after torch's allocator returns its
     cached blocks (vLLM's memory pool is invisible to torch's allocator statistics)."""
@@ -360,12 +325,9 @@ def free_device_memory() -> int:
 
 
 class VLLMEngine:
-    """vllm.LLM in this process, one per TP group of gen_tp ranks (distributed_executor_backend=
-    "external_launcher" reuses torchrun's process group). Built before the trainer allocates its memory,
-    with random ("dummy") weights: the trainer pushes its own before the first generate. max_model_len (the
-    longest prompt + response) may not exceed the model's max_position_embeddings.
-
-    Memory cycle per rollout (sleep level 2 drops weights and KV cache, so every wake needs a full push):
+    """vllm.LLM in this process, one per TP group of gen_tp ranks, on torchrun's process group; built before the
+    trainer allocates its memory, with dummy weights that the trainer replaces before the first generate.
+    Per rollout (sleep level 2 drops weights and KV cache, so every wake needs a full push):
         wake_up(["weights"]) -> load_weights(buckets) -> wake_up(["kv_cache"]) -> generate -> sleep()
     """
     shares_weights = False
@@ -384,7 +346,11 @@ class VLLMEngine:
         if max_num_batched_tokens:
             kw["max_num_batched_tokens"] = max_num_batched_tokens
         kw.update(engine_kwargs or {})
-        check_max_model_len(kw["max_model_len"], model_path)  # before vLLM spends a minute starting
+        limit = load_config(model_path).max_position_embeddings  # vLLM refuses more: say so before it starts
+        if kw["max_model_len"] > limit:
+            raise ValueError(f"max_model_len={kw['max_model_len']} (max_prompt_length + max_response_length) is above "
+                             f"max_position_embeddings={limit} in {os.path.join(model_path, 'config.json')}: lower "
+                             f"max_prompt_length or max_response_length so that their sum is at most {limit}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
         from vllm import LLM
         _ensure_process_group()
@@ -413,9 +379,8 @@ class VLLMEngine:
         self.awake.update(tags)
 
     def load_weights(self, buckets, version: int) -> int:
-        """Feed buckets of (name, full tensor) to vLLM's load_weights in HF's names (hf_tensors: an expert stack
-        becomes one view per expert and projection, no copy); vLLM fuses q/k/v, gate/up and the experts and keeps
-        its own TP slice; each bucket is dropped once loaded. -> bytes pushed."""
+        """Feed buckets of (name, full tensor) to vLLM's load_weights in HF's names (hf_tensors: views, no copy);
+        vLLM fuses and slices them itself; each bucket is dropped once loaded. -> bytes pushed."""
         self.wake_up(["weights"])
         nbytes = 0
         for bucket in buckets:
@@ -430,9 +395,8 @@ class VLLMEngine:
     def requests(self, prompts: list[list[int]], params: SamplingParams):
         """vLLM's (prompts, sampling params) for a generate call: one request per sample."""
         from vllm import SamplingParams as VLLMSamplingParams
-        # n samples = n requests, each with its own seed (seed + its index): the same on every rank of the TP
-        # group, and the output order is ours (vLLM's prefix cache shares the prompt's KV between them).
-        # flat_logprobs: the sampled log-probs come back as flat lists, not a dict and a Logprob object per token.
+        # n requests of one sample, seeded seed + index alike on every TP rank, in our order (the prefix cache
+        # shares the prompt's KV); flat_logprobs: flat lists, not a dict and a Logprob object per token
         requests, sampling = [], []
         for i, p in enumerate(prompts):
             for j in range(params.n):
@@ -459,8 +423,7 @@ class VLLMEngine:
 
 
 def _sampled_logprobs(lp) -> list[float]:
-    """The sampled token's log-prob at each position of a vLLM completion's FlatLogprobs: the first entry of each
-    position (vLLM puts the sampled token first, then any top-k)."""
+    """The sampled token's log-prob per position of vLLM's FlatLogprobs: each position's first entry."""
     return [lp.logprobs[k] for k in lp.start_indices]
 
 
