@@ -699,7 +699,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
             tokens = float(traj.response_mask[idx].sum()) or 1.0  # 0: every token rejected (rollout_rs_threshold)
             optimizer.zero_grad(set_to_none=True)
             finite = torch.ones((), dtype=torch.bool, device=device)
-            for mb in micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims):
+            mbs = micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims)
+            for mb in mbs:
                 mask = traj.response_mask[mb].to(device)
                 mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
                 router_loads = [] if router_aux else None
@@ -721,10 +722,12 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                     kl = agg_loss(kl_penalty(logp, traj.ref_logp[mb].to(device), cfg.kl_loss_type), **agg)
                     loss = loss + cfg.kl_loss_coef * kl
                     terms["kl_loss"] = kl.detach()
-                if router_aux:  # a mean over this micro-batch's tokens: weighted by its share
-                    aux = load_balancing_loss(router_loads, model.config.num_experts_per_tok)
-                    loss = loss + model.config.router_aux_loss_coef * mb_share * aux
-                    m["router_aux_loss"] = aux.detach()
+                if router_aux:  # over this micro-batch's tokens on all ranks (a collective), averaged over micro-batches
+                    group = dims.fsdp_mesh.get_group() if dims.world_size > 1 else None
+                    aux = load_balancing_loss(parallel.reduce_router_loads(router_loads, group),
+                                              model.config.num_experts_per_tok) / len(mbs)
+                    loss = loss + model.config.router_aux_loss_coef * aux
+                    terms["router_aux_loss"] = aux.detach() / dims.dp  # every dp rank holds the same value
                 if on_policy:
                     m["logp_mismatch"] = logp_mismatch(old_logp, rollout_logp, mask)
                 loss.backward()
@@ -1200,17 +1203,14 @@ def fault_point(name: str, step: int):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def read_metrics(path: str, warn=print) -> list[dict]:
+def read_metrics(path: str) -> list[dict]:
     """Rows of a metrics.jsonl; a partial line (a crash mid-write) is skipped with a warning."""
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                warn(f"warning: {path} line {i} is not complete JSON (a crash while writing it?); skipped")
+    for i, line in enumerate(open(path), start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            say(f"warning: {path} line {i} is not complete JSON (a crash while writing it?); skipped")
     return rows
 
 
@@ -1221,7 +1221,7 @@ class Logger:
         self.cfg, self.backends = cfg, {}
         path = os.path.join(cfg.out_dir, "metrics.jsonl")
         if os.path.isfile(path):  # after a resume, drop rows of steps that will be run again
-            rows = [r for r in read_metrics(path, tqdm.write) if r.get("step", 0) <= resumed_step]
+            rows = [r for r in read_metrics(path) if r.get("step", 0) <= resumed_step]
             with open(path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         self.jsonl = open(path, "a")
@@ -1253,8 +1253,7 @@ class Logger:
             keys = [("val/acc", "val_acc"), ("train/acc", "acc"), ("train/score_mean", "score"),
                     ("response_length/mean", "len"), ("actor/entropy", "ent"), ("actor/pg_clipfrac", "clip"),
                     ("sampling/num_gen_batches", "gen_rounds"), ("timing/step", "s")]
-            parts = [f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics]
-            tqdm.write(f"step {step:4d} | " + " | ".join(parts))
+            say(f"step {step:4d} | " + " | ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics))
 
 
 def lock_out_dir(out_dir: str):
