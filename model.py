@@ -1,14 +1,13 @@
 """
 The policy model: Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama-3 decoders in plain torch, HF safetensors in and
-out, a packed ("remove padding") forward, and chunked token log-probs + entropy. The tokenizer and its
-chat template live in data.py (no torch needed to prepare data).
+out, a packed ("remove padding") forward, and chunked token log-probs + entropy (the tokenizer is in data.py).
 
 Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), except that a MoE layer holds
-its experts stacked (mlp.experts.gate_up_proj [E, 2 * I, H], mlp.experts.down_proj [E, H, I], as transformers 5
-does in memory) where checkpoints and vLLM hold one tensor per expert (mlp.experts.N.gate_proj.weight, ...):
-hf_tensors maps a parameter to its HF tensors, the one mapping used by loading, saving and the weight push.
+its experts stacked (mlp.experts.gate_up_proj [E, 2 * I, H], mlp.experts.down_proj [E, H, I]) where checkpoints
+and vLLM hold one tensor per expert: hf_tensors maps a parameter to its HF tensors (load, save, weight push).
 """
 import functools
+import inspect
 import itertools
 import json
 import math
@@ -20,12 +19,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+try:  # torch's flash varlen attention (CUDA): torch <= 2.10 takes is_causal=True, later releases window_size=(-1, 0)
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_CAUSAL = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
+                      else {"window_size": (-1, 0)})
+except ImportError:
+    varlen_attn = None
+
 MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "LlamaForCausalLM": "llama"}  # architecture -> config.json's model_type
-SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
+               "LlamaForCausalLM": "llama"}  # the supported architectures -> config.json's model_type
 
 # -----------------------------------------------------------------------------
 # config
@@ -61,9 +67,9 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json, for saving
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in MODEL_TYPES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; nanodapo supports "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"{', '.join(MODEL_TYPES)}")
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_bias is None:
@@ -88,9 +94,9 @@ class ModelConfig:
         arch = (d.get("architectures") or [None])[0]
         if arch is None:  # a config saved without a model: fall back on model_type
             arch = {t: a for a, t in MODEL_TYPES.items()}.get(d.get("model_type"), d.get("model_type"))
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in MODEL_TYPES:  # before any other key is read
             raise ValueError(f"unsupported architecture {arch!r} in config.json; nanodapo supports "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"{', '.join(MODEL_TYPES)}")
         if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
             raise ValueError(f"unsupported MLP (hidden_act={d.get('hidden_act')}, mlp_bias={d.get('mlp_bias')}); "
                              "nanodapo implements SwiGLU with silu and no MLP bias")
@@ -105,7 +111,6 @@ class ModelConfig:
                 scaling = None
             elif kind != "llama3":
                 raise ValueError(f"unsupported rope scaling {kind!r}; nanodapo supports none or 'llama3'")
-        qwen2 = arch == "Qwen2ForCausalLM"
         moe = {}
         if arch == "Qwen3MoeForCausalLM":  # defaults: transformers' Qwen3MoeConfig
             moe = dict(num_experts=d["num_local_experts"] if "num_local_experts" in d else d["num_experts"],
@@ -121,31 +126,25 @@ class ModelConfig:
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
             head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
             rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=True if qwen2 else d.get("attention_bias", False),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), hf_config=dict(d), **moe)
+            attention_bias=arch == "Qwen2ForCausalLM" or d.get("attention_bias", False),
+            max_position_embeddings=d.get("max_position_embeddings", 32768), bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"), hf_config=dict(d), **moe)
 
     def to_hf(self, dtype: torch.dtype) -> dict:
         """An HF config.json dict that transformers and vLLM load."""
+        keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
+                "max_position_embeddings", "bos_token_id", "eos_token_id"]  # fields named as in config.json
         d = dict(self.hf_config)
-        d.update(architectures=[self.architecture], model_type=MODEL_TYPES[self.architecture],
-                 vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                 intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-                 num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                 head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                 rope_scaling=self.rope_scaling, tie_word_embeddings=self.tie_word_embeddings,
-                 max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
-                 torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=self.bos_token_id,
-                 eos_token_id=self.eos_token_id)
-        d.pop("rope_parameters", None)  # rope_theta/rope_scaling above are read by transformers 4 and 5
+        d.pop("rope_parameters", None)  # rope_theta/rope_scaling are read by transformers 4 and 5
         if self.architecture != "Qwen2ForCausalLM":
-            d["attention_bias"] = self.attention_bias
+            keys.append("attention_bias")
         if self.num_experts:  # num_experts, as the published configs (transformers 5 reads it as num_local_experts)
             d.pop("num_local_experts", None)
-            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                     decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers,
-                     router_aux_loss_coef=self.router_aux_loss_coef)
+            keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                     "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"]
+        d.update(architectures=[self.architecture], model_type=MODEL_TYPES[self.architecture], hidden_act="silu",
+                 torch_dtype=str(dtype).removeprefix("torch."), **{k: getattr(self, k) for k in keys})
         return d
 
     def is_moe_layer(self, i: int) -> bool:
@@ -153,17 +152,13 @@ class ModelConfig:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def num_params(self, experts_per_token: int | None = None) -> int:
-        """All parameters; with experts_per_token = k, those one token uses (k experts of each MoE layer)."""
-        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        q = self.num_attention_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        experts = self.num_experts if experts_per_token is None else experts_per_token
-        moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size  # router + experts
-        mlps = sum(moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size
-                   for i in range(self.num_hidden_layers))
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attn + norms) + mlps + emb + h
+        """All parameters (counted on the meta device); with experts_per_token = k, those one token uses (k experts
+        of each MoE layer)."""
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Transformer(self).parameters())
+        unused = 0 if experts_per_token is None else self.num_experts - experts_per_token
+        moe_layers = sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
+        return n - unused * moe_layers * 3 * self.hidden_size * self.moe_intermediate_size
 
     def num_active_params(self) -> int:
         """Parameters used per token: num_params() for a dense model, top-k experts per MoE layer otherwise."""
@@ -177,14 +172,12 @@ KNOWN_CONFIGS = {
                         intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                         rope_theta=1000000.0, rms_norm_eps=1e-05, tie_word_embeddings=False,
                         max_position_embeddings=131072),
-    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
-                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False,
-                       max_position_embeddings=131072),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, rope_theta=1000000, rms_norm_eps=1e-06, tie_word_embeddings=False,
-                     max_position_embeddings=40960),
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
+                       rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1000000, rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=40960),
     "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
                          intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=True,
@@ -211,7 +204,7 @@ KNOWN_CONFIGS = {
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies in fp32, with Llama-3 frequency-dependent scaling when configured."""
     # device="cpu": the model may be built under torch.device("meta"), and these must be real numbers
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim))
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cpu").double() / cfg.head_dim)
     s = cfg.rope_scaling
     if s is not None:  # llama3: keep high frequencies, divide low ones by factor, interpolate between
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -236,13 +229,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class AttnBatch:
-    """How the tokens of one forward attend to each other; built once, shared by every layer.
-
+    """How the tokens of one forward attend to each other; built once, shared by every layer:
     padded  ([B, T], nothing set): causal within each row.
     packed  (cu_seqlens): one flat row of documents, causal within each document only.
     decode  (kv_cache + cache_pos): one new token per row, attending to that row's cache up to cache_pos.
-    sequence parallel (cu_seqlens + sp_group): packed, each rank of sp_group holding 1/sp of the tokens.
-    """
+    sequence parallel (cu_seqlens + sp_group): packed, each rank of sp_group holding 1/sp of the tokens."""
     cu_seqlens: torch.Tensor | None = None  # int32 [docs + 1] document boundaries of a packed row
     cu_seqlens_list: list | None = None  # the same on the host (torch_npu's kernel takes host lengths)
     max_seqlen: int = 0
@@ -254,21 +245,8 @@ class AttnBatch:
     _mask: torch.Tensor | None = field(default=None, repr=False)  # decode: built by the first layer
 
 
-_VARLEN_CAUSAL = {}  # torch <= 2.10 takes is_causal=True, later releases window_size=(-1, 0)
-
-
-@functools.lru_cache
 def _varlen_available(device_type: str) -> bool:
-    if device_type != "cuda":
-        return False
-    try:
-        import inspect
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return False
-    params = inspect.signature(varlen_attn).parameters
-    _VARLEN_CAUSAL.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
-    return True
+    return device_type == "cuda" and varlen_attn is not None
 
 
 def packed_kernel(device_type: str, dtype: torch.dtype) -> str:
@@ -295,10 +273,8 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=H != k.shape[2])
         return out.transpose(1, 2)
-    # packed documents (B == 1)
-    kernel = packed_kernel(q.device.type, q.dtype)
+    kernel = packed_kernel(q.device.type, q.dtype)  # packed documents (B == 1)
     if kernel == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
         cu = batch.cu_seqlens.to(torch.int32)
@@ -311,11 +287,8 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
                                              scale=D ** -0.5, sparse_mode=3, actual_seq_qlen=ends,
                                              actual_seq_kvlen=ends)[0]
         return out.unsqueeze(0)
-    # no varlen kernel (CPU, fp32): gather the documents into a right-padded [docs, max_len] batch. Causal
-    # attention never lets a real token see the right padding, and padded outputs are dropped on the way back,
-    # so the cost is docs * max_len^2 instead of (total tokens)^2 for a block-diagonal mask. The index maps are
-    # recomputed per layer (a few small integer ops): no state set by the first layer, so a checkpointed, compiled
-    # block runs the same graph in forward and recompute; and no boolean masks, so no shape depends on the data.
+    # no varlen kernel (CPU, fp32): SDPA on the documents gathered into a right-padded [docs, max_len] batch (causal,
+    # so no real token sees the padding); index maps without boolean masks, so a compiled block has a static graph
     cu, L = batch.cu_seqlens.long().to(q.device), batch.max_seqlen
     tok = torch.arange(T, device=q.device)
     doc = torch.bucketize(tok, cu[1:], right=True)  # each token's document
@@ -333,60 +306,38 @@ def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
         batch._mask = (torch.arange(L, device=q.device)[None, :] <= batch.cache_pos[:, None])[:, None, None, :]
     # GQA without copying the cache: the heads sharing a kv head become that head's query rows
     B, _, H, D = q.shape
-    kvh = k_cache.shape[1]
-    out = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), k_cache[:, :, :L], v_cache[:, :, :L],
+    out = F.scaled_dot_product_attention(q.view(B, k_cache.shape[1], -1, D), k_cache[:, :, :L], v_cache[:, :, :L],
                                          attn_mask=batch._mask)
     return out.reshape(B, 1, H, D)
 
 
 # -----------------------------------------------------------------------------
 # sequence parallelism (DeepSpeed-Ulysses, as verl's): each rank of an SP group embeds and runs norms, MLP and
-# projections on a contiguous 1/sp of the packed tokens; around attention, one all-to-all trades that for all
-# tokens and 1/sp of the heads, and one trades it back. Chosen over torch's context parallel (ring attention:
-# k/v passed around the ranks inside SDPA) because attention here runs unchanged, the same varlen / NPU / SDPA
-# kernels on the same packed documents and cu_seqlens, for only two all-to-alls per layer; context parallel has
-# one causal mask over the whole sequence (documents would need FlexAttention block masks instead of these
-# kernels) and its own load-balanced sharding. The price: the query heads of a TP rank must divide by sp.
+# projections on a contiguous 1/sp of the packed tokens; around attention, all-to-alls trade that for all tokens
+# and 1/sp of the heads, so the packed kernels above run unchanged. The query heads of a TP rank must divide by sp.
 
 
 def split_for_sp(input_ids, position_ids, target_ids, batch: AttnBatch, group):
     """The full packed row (the same on every SP rank) -> this rank's contiguous slice of each [1, T] tensor, and
     an AttnBatch for the whole row padded to a multiple of sp. The padding is one extra document, so it attends only
     to itself and real tokens never see it; its outputs are dropped after the gather."""
-    sp, rank = group.size(), torch.distributed.get_rank(group)
-    T = input_ids.shape[1]
+    sp, rank, T = group.size(), torch.distributed.get_rank(group), input_ids.shape[1]
     pad = -T % sp
     cu, cu_list = batch.cu_seqlens, batch.cu_seqlens_list
     if pad:
         input_ids, target_ids = F.pad(input_ids, (0, pad)), F.pad(target_ids, (0, pad))
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
-        cu, cu_list = torch.cat([cu, cu.new_tensor([T + pad])]), None if cu_list is None else cu_list + [T + pad]
+        cu, cu_list = torch.cat([cu, cu.new_tensor([T + pad])]), cu_list + [T + pad]
     n = (T + pad) // sp
     mine = slice(rank * n, (rank + 1) * n)
     return (input_ids[:, mine], position_ids[:, mine], target_ids[:, mine],
             AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu_list, max_seqlen=max(batch.max_seqlen, pad), sp_group=group))
 
 
-def _tokens_to_heads(x, group):
-    """[n, sp, h, D]: this rank's n tokens, every head, grouped by the rank that gets them -> [sp * n, h, D]:
-    every token (in rank order), this rank's h heads. torch's functional all-to-all is differentiable (its
-    backward is the reverse all-to-all) and traceable (a compiled block keeps it in its graph)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-    return all_to_all_single_autograd(x.transpose(0, 1).contiguous(), None, None, group).flatten(0, 1)
-
-
-def _heads_to_tokens(y, group):
-    """The inverse of _tokens_to_heads: [sp * n, h, D] -> [n, sp, h, D]."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-    recv = all_to_all_single_autograd(y.contiguous(), None, None, group)
-    return recv.unflatten(0, (group.size(), -1)).transpose(0, 1)
-
-
 class _GatherTokens(torch.autograd.Function):
     """All-gather along dim 0. Backward keeps this rank's slice and does not sum: every SP rank computes the same
     loss from the gathered values, so each back-propagates only through its own tokens, and FSDP's gradient
     reduction over the SP ranks adds those parts up."""
-
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -396,9 +347,7 @@ class _GatherTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        n = g.shape[0] // ctx.group.size()
-        rank = torch.distributed.get_rank(ctx.group)
-        return g[rank * n:(rank + 1) * n], None
+        return g.chunk(ctx.group.size())[torch.distributed.get_rank(ctx.group)], None
 
 
 def ulysses_attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
@@ -409,11 +358,12 @@ def ulysses_attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         # so query head i still reads the copies of kv head i // (H / kv heads)
         k, v = (t.repeat_interleave(math.lcm(t.shape[2], sp) // t.shape[2], dim=2) for t in (k, v))
     kvh = k.shape[2]
-    # one all-to-all for q, k and v together: rank r receives chunk r of each one's heads
-    qkv = _tokens_to_heads(torch.cat([t[0].unflatten(1, (sp, -1)) for t in (q, k, v)], dim=2), group)
+    # one differentiable all-to-all for q, k and v: this rank's n tokens, every head -> every token, 1/sp of the heads
+    qkv = torch.cat([t[0].unflatten(1, (sp, -1)) for t in (q, k, v)], dim=2).transpose(0, 1).contiguous()
+    qkv = all_to_all_single_autograd(qkv, None, None, group).flatten(0, 1)
     q, k, v = (t.contiguous()[None] for t in qkv.split([H // sp, kvh // sp, kvh // sp], dim=1))
-    y = attention(q, k, v, batch)
-    return _heads_to_tokens(y[0], group).flatten(1, 2)[None]
+    y = all_to_all_single_autograd(attention(q, k, v, batch)[0].contiguous(), None, None, group)  # and back
+    return y.unflatten(0, (sp, -1)).transpose(0, 1).flatten(1, 2)[None]
 
 
 # -----------------------------------------------------------------------------
@@ -437,7 +387,6 @@ class RMSNorm(nn.Module):
 class _SumGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over a process group (a replicated weight used on
     disjoint shards of the heads gets a partial gradient on each rank)."""
-
     @staticmethod
     def forward(ctx, w, group):
         ctx.group = group
@@ -465,20 +414,18 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
         """kv_cache: this layer's (k, v) cache when decoding."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.hd)  # -1: under tensor parallelism a rank holds a slice of heads
-        k = self.k_proj(x).view(B, T, -1, self.hd)
-        v = self.v_proj(x).view(B, T, -1, self.hd)
+        # -1: under tensor parallelism a rank holds a slice of the heads
+        q, k, v = (proj(x).view(B, T, -1, self.hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if batch.collect_kv is not None:
             batch.collect_kv.append((k[0], v[0]))
         if kv_cache is not None:  # write the new token's k/v at each row's position
-            k_cache, v_cache = kv_cache
             rows = torch.arange(B, device=x.device)
-            k_cache[rows, :, batch.cache_pos] = k[:, 0]
-            v_cache[rows, :, batch.cache_pos] = v[:, 0]
-            y = decode_attention(q, k_cache, v_cache, batch)
+            for cache, new in zip(kv_cache, (k, v)):
+                cache[rows, :, batch.cache_pos] = new[:, 0]
+            y = decode_attention(q, *kv_cache, batch)
         elif batch.sp_group is not None:
             y = ulysses_attention(q, k, v, batch)
         else:
@@ -508,7 +455,6 @@ def _grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
 class Experts(nn.Module):
     """num_experts SwiGLU MLPs, stacked: gate_up_proj [E, 2 * I, H] (each expert's gate rows, then its up rows) and
     down_proj [E, H, I]. One parameter per projection, so FSDP (and expert parallelism) shard along experts."""
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -523,8 +469,7 @@ class Experts(nn.Module):
         dtype = _grouped_mm_dtype(x)
         if dtype is not None:  # one grouped GEMM per projection, no host sync
             offs = ends.to(torch.int32)
-            h = torch._grouped_mm(x.to(dtype), w13.to(dtype).transpose(1, 2), offs=offs)
-            gate, up = h.chunk(2, -1)
+            gate, up = torch._grouped_mm(x.to(dtype), w13.to(dtype).transpose(1, 2), offs=offs).chunk(2, -1)
             return torch._grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offs)
         counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         out = []
@@ -538,7 +483,6 @@ class MoE(nn.Module):
     """Qwen3-MoE's sparse MLP: the router (`gate`) picks each token's top-k experts by softmax probability (fp32);
     the token's output is the sum of their outputs weighted by those probabilities (renormalized to sum to 1 when
     norm_topk_prob). Every expert computes, so nothing is dropped."""
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -607,21 +551,16 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(cfg)  # fp32, a plain attribute so that .to(bf16) never rounds it
 
     def init_weights(self, std: float = 0.02, seed: int | None = None):
-        """Random init (tests, benchmarks, the demo's warm start): normal(0, std), zero biases, unit norms,
-        drawn on the device the model lives on (a 1.5B model on the CPU would take ~40 s)."""
-        device = self.output_weight.device
-        g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        """Random init (tests, benchmarks, the demo's warm start): normal(0, std), zero biases, unit norms."""
+        g = torch.Generator(device=self.output_weight.device).manual_seed(seed) if seed is not None else None
         with torch.no_grad():
-            for m in self.modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
-                    m.weight.normal_(0.0, std, generator=g)
-                    if getattr(m, "bias", None) is not None:
-                        m.bias.zero_()
-                elif isinstance(m, RMSNorm):
-                    m.weight.fill_(1.0)
-                elif isinstance(m, Experts):
-                    m.gate_up_proj.normal_(0.0, std, generator=g)
-                    m.down_proj.normal_(0.0, std, generator=g)
+            for name, p in self.named_parameters():
+                if name.endswith(".bias"):
+                    p.zero_()
+                elif name.endswith("norm.weight"):  # RMSNorm
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, std, generator=g)
         return self
 
     @property
@@ -633,15 +572,11 @@ class Transformer(nn.Module):
                 logits_at: torch.Tensor | None = None, router_loads: list | None = None):
         """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
         (log p(target), entropy or None), each [B, T] in fp32, computed in chunks of logprob_chunk tokens.
-
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
         logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last tokens).
-        router_loads: an empty list: each MoE layer appends its router_load (for load_balancing_loss) of this
-        forward's tokens (with sequence parallelism: this rank's share). None: nothing is computed for it.
-        With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank of the group
-        passes the same full row, computes 1/sp of it, and gets the whole row's (identical) outputs. Other
-        forwards (logits, generation) run whole on every rank.
-        """
+        router_loads: a list each MoE layer appends its router_load of this forward's (this SP rank's) tokens to.
+        With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank passes the same
+        row, computes 1/sp of it and gets the whole row's outputs."""
         batch = batch or AttnBatch()
         B, T = input_ids.shape
         if position_ids is None:
@@ -655,7 +590,6 @@ class Transformer(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
         x = self.model.embed_tokens(input_ids)
-        loads = []
         for i, layer in enumerate(self.model.layers):
             kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else None
             # an empty list per layer: FSDP rebuilds containers that hold tensors needing grad before a block runs,
@@ -665,9 +599,8 @@ class Transformer(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, kv_cache, mine, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, batch, kv_cache, mine)
-            loads += mine or []
-        if router_loads is not None:
-            router_loads.extend(loads)
+            if mine is not None:
+                router_loads.extend(mine)
         h = self.model.norm(x)
         if logits_at is not None:
             return F.linear(h.flatten(0, 1)[logits_at], self.output_weight)
@@ -689,30 +622,22 @@ def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy:
     logits = (h @ weight.t()).float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, None
-    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = logsumexp(z) - sum softmax(z) z
-    return logp, ent
+    # H = logsumexp(z) - sum softmax(z) z
+    return logp, (lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None)
 
 
 def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
                                with_entropy: bool = False):
-    """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32.
-
-    logits / temperature is the same transform the rollout engines sample from. Under autograd each
-    chunk is recomputed in backward, so only one chunk of fp32 logits exists at any time.
-    """
-    logps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk):
-        args = (hidden[s:s + chunk], weight, target_ids[s:s + chunk], temperature, with_entropy)
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprob_entropy, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprob_entropy(*args)
-        logps.append(lp)
-        ents.append(ent)
-    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
-    return logp, (torch.cat(ents) if with_entropy and ents else None)
+    """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32, of
+    logits / temperature (what the rollout engines sample from). Under autograd each chunk is recomputed in
+    backward, so only one chunk of fp32 logits exists at any time."""
+    fn = _chunk_logprob_entropy
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        fn = functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)
+    parts = [fn(hidden[s:s + chunk], weight, target_ids[s:s + chunk], temperature, with_entropy)
+             for s in range(0, hidden.shape[0], chunk)]
+    logp = torch.cat([lp for lp, _ in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    return logp, (torch.cat([ent for _, ent in parts]) if with_entropy and parts else None)
 
 
 def pack_sequences(seqs: list[list[int]], device=None):
@@ -732,10 +657,9 @@ _EXPERT_PROJ = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_pr
 
 
 def hf_slices(name: str, shape) -> list[tuple[str, tuple]]:
-    """A parameter (name, shape) -> its HF tensors as (HF name, index into the parameter). An expert stack
-    model.layers.N.mlp.experts.gate_up_proj [E, 2I, H] -> for each expert e, ...experts.e.gate_proj.weight at [e, :I]
-    and ...experts.e.up_proj.weight at [e, I:]; ...experts.down_proj [E, H, I] -> ...experts.e.down_proj.weight at
-    [e, :H]. Any other name, HF names included, maps to itself at index ()."""
+    """A parameter (name, shape) -> its HF tensors as (HF name, index into the parameter): an expert stack
+    ...mlp.experts.gate_up_proj [E, 2I, H] -> ...experts.e.gate_proj.weight at [e, :I] and ...experts.e.up_proj.weight
+    at [e, I:] for each expert e, down_proj alike; any other name (HF names included) maps to itself at index ()."""
     layer, _, proj = name.rpartition(".experts.")
     if proj not in _EXPERT_PROJ:
         return [(name, ())]
@@ -774,6 +698,7 @@ def copy_hf_tensor(p: torch.Tensor, ix: tuple, t: torch.Tensor):
             dst.append(slice(lo - o, hi - o))
         p.to_local()[tuple(dst)].copy_(t.reshape([s.stop - s.start for s in box])[tuple(src)])
 
+
 def _read_json(path):
     try:
         with open(path) as f:
@@ -808,40 +733,40 @@ def safetensors_files(path: str) -> list[str]:
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}; "
-                            "nanodapo reads HF safetensors checkpoints (convert .bin with transformers' save_pretrained)")
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}; nanodapo reads HF "
+                            "safetensors checkpoints (convert .bin with transformers' save_pretrained)")
 
 
-def _open_safetensors(f: str):
-    try:
-        return safe_open(f, framework="pt", device="cpu")
-    except SafetensorError as e:  # raised on open for a truncated or corrupt header
-        raise ValueError(f"{f} is not a readable safetensors file ({e}); it is truncated or corrupt: copy it "
-                         "again from the model's source") from None
+def _checkpoint_tensors(path: str, cfg: ModelConfig):
+    """(file, its open safe_open handle, HF name) for each tensor of the checkpoint at path that the model holds."""
+    for f in safetensors_files(path):
+        try:
+            sf = safe_open(f, framework="pt", device="cpu")
+        except SafetensorError as e:  # raised on open for a truncated or corrupt header
+            raise ValueError(f"{f} is not a readable safetensors file ({e}); it is truncated or corrupt: copy it "
+                             "again from the model's source") from None
+        with sf:
+            for name in sf.keys():
+                if not (name == "lm_head.weight" and cfg.tie_word_embeddings):  # tied: the model has no lm_head
+                    yield f, sf, name
 
 
 def check_weights(path: str) -> ModelConfig:
-    """Every tensor of the checkpoint at path, from the safetensors headers only (no weights are read): names and
-    shapes are those config.json implies, none is missing, no file is truncated. -> its ModelConfig.
-    Raises ValueError / FileNotFoundError naming the file and tensor."""
+    """The checkpoint at path against its config.json, from the safetensors headers only (no weights are read): every
+    tensor named and shaped as config.json implies, none missing, no file truncated. -> its ModelConfig."""
     cfg = load_config(path)
     with torch.device("meta"):
         expected = {hf: tuple(t.shape) for k, v in Transformer(cfg).named_parameters() for hf, t in hf_tensors(k, v)}
     found = set()
-    for f in safetensors_files(path):
-        with _open_safetensors(f) as sf:
-            for name in sf.keys():
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue
-                if name not in expected:
-                    raise ValueError(f"unexpected tensor {name!r} in {f}: not part of a {cfg.architecture} "
-                                     "with this config.json (wrong architecture or config?)")
-                shape = tuple(sf.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise ValueError(f"shape mismatch for {name!r} in {f}: the checkpoint has {shape}, "
-                                     f"config.json implies {expected[name]}; config.json does not describe these "
-                                     "weights (copy the model's own config.json)")
-                found.add(name)
+    for f, sf, name in _checkpoint_tensors(path, cfg):
+        if name not in expected:
+            raise ValueError(f"unexpected tensor {name!r} in {f}: not part of a {cfg.architecture} "
+                             "with this config.json (wrong architecture or config?)")
+        shape = tuple(sf.get_slice(name).get_shape())
+        if shape != expected[name]:
+            raise ValueError(f"shape mismatch for {name!r} in {f}: the checkpoint has {shape}, config.json implies "
+                             f"{expected[name]}; copy the model's own config.json (this one does not describe it)")
+        found.add(name)
     missing = sorted(set(expected) - found)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors that its config.json implies, e.g. "
@@ -852,8 +777,8 @@ def check_weights(path: str) -> ModelConfig:
 
 def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=None) -> Transformer:
     """Load an HF checkpoint straight into the module: built on the meta device, optionally sharded by
-    `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by
-    tensor. Each rank keeps only its shard, so a 32B model never exists twice in memory."""
+    `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by tensor, so each
+    rank only ever holds its shard."""
     cfg = check_weights(path)  # names and shapes, before any memory is spent
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
@@ -861,49 +786,35 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
         parallelize(model)
     model.to_empty(device=device)
     targets = hf_targets(model)
-    for f in safetensors_files(path):
-        with _open_safetensors(f) as sf:
-            for name in sf.keys():
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue
-                with torch.no_grad():
-                    copy_hf_tensor(*targets[name], sf.get_tensor(name))
+    with torch.no_grad():
+        for _, sf, name in _checkpoint_tensors(path, cfg):
+            copy_hf_tensor(*targets[name], sf.get_tensor(name))
     return model
 
 
-def _save_shard(tensors: list, file: str):
-    # copies, one shard at a time: views of one expert stack may not share memory in a file; GPU tensors go to the host
-    save_file({k: v.to("cpu", copy=True, memory_format=torch.contiguous_format) for k, v in tensors}, file,
-              metadata={"format": "pt"})
-
-
 def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = 5 * 2**30, state_dict=None):
-    """Write config.json + safetensors (sharded with an index above max_shard_bytes) in HF's names (hf_tensors),
-    which transformers and vLLM load. `state_dict` overrides model.state_dict() (e.g. full tensors gathered from
-    FSDP), in nanodapo's or HF's names."""
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes) in HF's names, which transformers
+    and vLLM load. `state_dict` (nanodapo's or HF's names, e.g. gathered from FSDP) overrides model.state_dict()."""
     os.makedirs(path, exist_ok=True)
     sd = state_dict if state_dict is not None else model.state_dict()
     tensors = [pair for k, v in sd.items() for pair in hf_tensors(k, v.detach())]
-    dtype = tensors[0][1].dtype
-    shards, cur, size = [], [], 0
+    shards, size = [[]], 0
     for k, v in tensors:
         nbytes = v.numel() * v.element_size()
-        if cur and size + nbytes > max_shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append((k, v))
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards, size = shards + [[]], 0
+        shards[-1].append((k, v))
         size += nbytes
-    shards.append(cur)
-    if len(shards) == 1:
-        _save_shard(shards[0], os.path.join(path, "model.safetensors"))
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _save_shard(shard, os.path.join(path, name))
-            weight_map.update({k: name for k, _ in shard})
-        total = sum(v.numel() * v.element_size() for _, v in tensors)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        # copies, one shard at a time: views of one expert stack may not share memory in a file
+        save_file({k: v.to("cpu", copy=True, memory_format=torch.contiguous_format) for k, v in shard},
+                  os.path.join(path, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for _, v in tensors)},
+                 "weight_map": {k: name for name, shard in zip(names, shards) for k, _ in shard}}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            json.dump(index, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf(dtype), f, indent=2)
+        json.dump(model.config.to_hf(tensors[0][1].dtype), f, indent=2)
