@@ -28,46 +28,10 @@ MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / g
 
 def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: float = 3.0,
                 engine: str = "torch") -> dict:
-    """Estimate per-GPU memory of a run of train_dapo.train(cfg) on world_size GPUs of gpu_gib GiB each.
-
-    cfg: a train_dapo.Config; model_cfg: a model.ModelConfig (both read by attribute only). Returns
-    {"gib": {term: GiB per GPU}, "phase": {term: resident | training | generation}, "host_gib", "training_gib",
-    "generation_gib", "peak_gib", "verdict": "fits" | "does not fit", "largest", "knob", "notes", ...}.
-    peak = resident + max(training, generation): the KV cache is freed (engine.sleep) before the update starts.
-
-    The terms (P = model_cfg.num_params(); tp, sp, ep = cfg.tp_size, sp_size, ep_size; dp = world_size / (tp * sp);
-    FSDP over fsdp = dp * sp ranks; w = 2 bytes, 4 for float32):
-    - params 4, grads 4, AdamW 8 bytes/param, sharded over fsdp and, for the q/k/v/o/gate/up/down weights, by TP
-      (embeddings, lm_head, norms, router and experts are replicated over TP). Expert stacks: 1/ep per EP rank,
-      FSDP-sharded over fsdp / ep, so 1/fsdp per GPU either way. param_offload or optimizer_offload moves all three
-      to the host (host_gib). World size 1: no FSDP, full fp32 copies on the GPU, offload does not apply.
-    - ref_params: a second fp32 shard (same offload) when use_kl_loss or use_kl_in_reward.
-    - engine_weights: world size > 1: the built-in engine's own full copy (w bytes/param) for the whole run.
-    - working: FSDP all-gathers in compute dtype the root unit (embeddings, lm_head, final norm; unsharded through
-      forward and backward) plus the larger decoder block (dense, or MoE with its num_experts / ep experts), x2 for
-      the prefetched unit and the unsharded gradients. World size 1: autocast's compute-dtype copy, w * P.
-    - activations of one update micro-batch, this GPU's tokens (1/sp of them): ppo_max_token_len_per_gpu * sp with
-      use_dynamic_bsz (verl's convention: the budget stays per GPU), else ppo_micro_batch_size_per_gpu *
-      (max_prompt_length + max_response_length). A block saves, per token, in bf16 bytes: 2 RMSNorms x (fp32 input
-      4h + output 2h) + the q/k/v and gate/up inputs 2h + 2h, attention's q, k, v (repeated to all heads) and output
-      8q, the MLP's gate, up, silu(gate) and product 8i, with q/k norms + 6q + 6kv: 16h + 8q + 8i (+ 6q + 6kv),
-      h = hidden, q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate; TP splits the q, kv and i parts
-      (tests/test_configs.py holds this against a measured peak). A MoE layer's MLP instead (not measured): top-k
-      rows through experts of width I, 8kI, the sorted rows, outputs and those back in token order, 6kh, and the
-      fp32 router logits and probabilities, 8E. gradient_checkpointing keeps each block's input (tokens * h * w per
-      layer) plus one block's activations during its recompute (an upper bound); without it every block's stay.
-    - a2a_buffers (ep > 1): one MoE layer's all-to-all, rows sent and received: 2 x tokens x k x h x w (balanced).
-    - logprob_buffer: logprob_chunk tokens (or this GPU's, if fewer) * vocab * 4 bytes * ~3 (logits, softmax, their
-      gradient). The no-grad old/ref log-prob pass holds less and is not counted.
-    - kv_cache: max(max_num_seqs, n) rows (a wave holds at least one group of n) x (max_prompt_length +
-      max_response_length) x layers x 2 x kv_heads x head_dim, in the compute dtype.
-    - runtime: a flat runtime_gib for what the allocator does not see (CUDA context, NCCL buffers, fragmentation).
-    engine="vllm" (rollout.VLLMEngine) replaces engine_weights and kv_cache: vllm_awake = gpu_memory_utilization
-    x gpu_gib (what vLLM takes while awake), vllm_asleep a flat 1 GiB kept through training (graph pool,
-    allocator), sync_bucket = one bucket of the weight push (weight_sync_bucket_mb) plus the largest parameter,
-    gathered whole before it is cut into HF tensors. An engine whose bf16 weights / gen_tp leave no KV cache in
-    gpu_memory_utilization x GPU does not fit. A mesh that does not divide raises ValueError (parallel.check_mesh).
-    """
+    """Estimate per-GPU memory of a run of train_dapo.train(cfg) (cfg: a Config, model_cfg: a ModelConfig) on
+    world_size GPUs of gpu_gib GiB -> {"gib": {term: GiB}, "phase": {term: phase}, "host_gib", "training_gib",
+    "generation_gib", "peak_gib", "verdict", "largest", "knob", "notes", ...}; peak = resident + max(training,
+    generation). README.md "The memory plan" states each term's formula. A bad mesh raises ValueError."""
     m = model_cfg
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
     dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads, ep_size=ep,

@@ -568,15 +568,11 @@ def serve_rollouts(run: "Run", cfg: Config):
 # step 4: dynamic sampling
 
 
-def filter_metric(traj: Trajectories, name: str) -> torch.Tensor:
-    return {"acc": traj.acc, "score": traj.score, "seq_reward": traj.seq_reward,
-            "seq_final_reward": traj.seq_final_reward}[name]
-
-
 def kept_mask(traj: Trajectories, cfg: Config) -> torch.Tensor:
+    """The trajectories dynamic sampling keeps: filter_groups on the metric named by filter_groups_metric."""
     if not cfg.filter_groups:
         return torch.ones(len(traj), dtype=torch.bool)
-    return filter_groups(filter_metric(traj, cfg.filter_groups_metric), traj.group_ids)
+    return filter_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)  # a Trajectories field
 
 
 class StopRequested(Exception):
@@ -722,7 +718,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                     kl = agg_loss(kl_penalty(logp, traj.ref_logp[mb].to(device), cfg.kl_loss_type), **agg)
                     loss = loss + cfg.kl_loss_coef * kl
                     terms["kl_loss"] = kl.detach()
-                if router_aux:  # over this micro-batch's tokens on all ranks (a collective), averaged over micro-batches
+                if router_aux:  # over this micro-batch's tokens on all ranks (collective), averaged over micro-batches
                     group = dims.fsdp_mesh.get_group() if dims.world_size > 1 else None
                     aux = load_balancing_loss(parallel.reduce_router_loads(router_loads, group),
                                               model.config.num_experts_per_tok) / len(mbs)
@@ -775,10 +771,8 @@ def optimizer_steps_per_step(cfg: Config) -> int:
 def timed(name: str, timing: dict):
     """Add the block's wall time to timing[name]."""
     t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
@@ -801,7 +795,6 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR = None
     train_ctx: typing.ContextManager = None  # autocast on one device; FSDP casts by itself
     total_steps: int = 0
-    steps_per_epoch: int = 0
     out_dir_lock: typing.IO | None = None  # held by rank 0 for the whole run
     rollouts: RolloutQueue | None = None  # async mode: rounds asked of the generator ranks
 
@@ -824,8 +817,8 @@ def train(cfg: Config):
     stop = StopFlag(log, on_force_exit=run.scorer.kill)
     bar = tqdm(total=run.total_steps, initial=step, desc="steps", dynamic_ncols=True,
                disable=not (dims.is_main and sys.stderr.isatty()))
-    log(f"training {run.total_steps} steps ({run.steps_per_epoch} per epoch) on {dims.world_size} x "
-        f"{dims.device.type}; {json.dumps(batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
+    log(f"training {run.total_steps} steps on {dims.world_size} x {dims.device.type}; "
+        f"{json.dumps(batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
     version = step  # the policy's weight version: an engine holding another refuses to generate
     # one pass over fresh data: the update's own forward gives the old log-probs (never in async mode or with rejection)
     on_policy = (cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size and not cfg.rollout_gpus
@@ -1003,7 +996,7 @@ def setup(cfg: Config) -> Run:
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * optimizer_steps_per_step(cfg))
     return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, gen_tp, gen_ctx, compute_dtype,
-               log, model, ref_model, optimizer, scheduler, train_ctx, total_steps, steps_per_epoch, out_dir_lock)
+               log, model, ref_model, optimizer, scheduler, train_ctx, total_steps, out_dir_lock)
 
 
 def resume(cfg: Config, run: Run) -> int:
@@ -1125,11 +1118,9 @@ def report_refill(r: int, kept: int, cfg: Config, bar, log):
 
 def validation_metrics(traj: Trajectories) -> dict:
     """mean@val_n accuracy per data_source and overall."""
-    metrics = {"val/acc": traj.acc.mean().item(), "val/score_mean": traj.score.mean().item()}
-    for ds in sorted(set(traj.data_sources)):
-        sel = torch.tensor([d == ds for d in traj.data_sources])
-        metrics[f"val/acc/{ds}"] = traj.acc[sel].mean().item()
-    return metrics
+    per_source = {f"val/acc/{ds}": traj.acc[torch.tensor([d == ds for d in traj.data_sources])].mean().item()
+                  for ds in sorted(set(traj.data_sources))}
+    return {"val/acc": traj.acc.mean().item(), "val/score_mean": traj.score.mean().item(), **per_source}
 
 
 def save_val_generations(traj: Trajectories, val_prompts, tokenizer, cfg: Config, step: int):
@@ -1242,12 +1233,11 @@ class Logger:
     def log(self, step: int, metrics: dict):
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
-        if "tensorboard" in self.backends:
-            for k, v in metrics.items():
-                self.backends["tensorboard"].add_scalar(k, v, step)
+        for k, v in metrics.items() if "tensorboard" in self.backends else ():
+            self.backends["tensorboard"].add_scalar(k, v, step)
         if "wandb" in self.backends:
             self.backends["wandb"].log(metrics, step=step)
-        if "mlflow" in self.backends:
+        if "mlflow" in self.backends:  # mlflow refuses '@' in names
             self.backends["mlflow"].log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()}, step=step)
         if "console" in self.cfg.logger:
             keys = [("val/acc", "val_acc"), ("train/acc", "acc"), ("train/score_mean", "score"),
@@ -1320,10 +1310,8 @@ def run_config_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} not found")
     scope = {}
-    with open(path) as f:
-        source = f.read()
     try:
-        exec(compile(source, path, "exec"), scope)
+        exec(compile(open(path).read(), path, "exec"), scope)
     except SyntaxError as e:
         raise ConfigError(f"config file {path} line {e.lineno}: syntax error: {e.msg}") from None
     except Exception as e:  # noqa: BLE001 (any error in the user's Python)
@@ -1583,28 +1571,23 @@ def plot(out_dir: str) -> str:
 # exit codes: 0 done (or stopped by a signal after a checkpoint), 2 bad input (config, data, model, checkpoint),
 # 3 the run could not continue, 128 + N a second signal N
 EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
+BAD_INPUT = (ConfigError, data.DataError, reward.RewardError, FileNotFoundError)
+RUN_FAILED = (RunError, parallel.CheckpointError)
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--plot"]:
-        try:
+    try:
+        if argv[:1] == ["--plot"]:
             print(f"wrote {plot(argv[1] if len(argv) > 1 else Config().out_dir)}")
             return 0
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    try:
         cfg, flags = parse_args([a for a in argv if a != "--"])  # torchrun: script -- --key=value
         if flags["dry_run"]:
             dry_run(cfg)
             return 0
         train(cfg)
-    except (ConfigError, data.DataError, reward.RewardError, FileNotFoundError) as e:
+    except BAD_INPUT + RUN_FAILED as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (RunError, parallel.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_RUN_FAILED
+        return EXIT_RUN_FAILED if isinstance(e, RUN_FAILED) else EXIT_BAD_INPUT
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
         try:
