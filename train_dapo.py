@@ -1428,8 +1428,8 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     max_seq = cfg.max_prompt_length + cfg.max_response_length
     if cfg.use_dynamic_bsz:
         for k in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
-            need(getattr(cfg, k) >= max_seq, f"{k}={getattr(cfg, k)} must be >= max_prompt_length + "
-                                             f"max_response_length = {max_seq} (one sequence must fit)")
+            need(getattr(cfg, k) * cfg.sp_size >= max_seq, f"{k}={getattr(cfg, k)} x sp_size={cfg.sp_size} must be "
+                 f">= max_prompt_length + max_response_length = {max_seq} (one sequence must fit an SP group's budget)")
     if cfg.overlong_buffer:
         need(cfg.overlong_buffer_len <= cfg.max_response_length and cfg.overlong_buffer_len > 0,
              f"overlong_buffer_len={cfg.overlong_buffer_len} must be in (0, max_response_length="

@@ -186,7 +186,7 @@ BAD_INPUTS = [
     ("overlong buffer", lambda td, tp: {"overlong_buffer_len": 64}, "overlong_buffer_len=64 must be in"),
     ("agg mode", lambda td, tp: {"loss_agg_mode": "mean"}, "loss_agg_mode='mean'; choose one of"),
     ("token budget", lambda td, tp: {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 10},
-     "ppo_max_token_len_per_gpu=10 must be >= max_prompt_length"),
+     "ppo_max_token_len_per_gpu=10 x sp_size=1 must be >= max_prompt_length"),
     ("logger missing", lambda td, tp: {"logger": ["jsonl", "mlflow"]}, "logger 'mlflow' is listed but"),
     ("missing parquet", lambda td, tp: {"train_files": [str(tp / "nope.parquet")]}, "not found: .*nope.parquet"),
     ("unreadable parquet", case_bad_parquet, "x.parquet is not a readable parquet file"),

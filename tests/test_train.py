@@ -55,7 +55,7 @@ def test_config_errors_name_the_key(args, msg):
     (dict(filter_groups_metric="reward"), "filter_groups_metric='reward'"),
     (dict(truncation="cut"), "truncation='cut'"),
     (dict(gen_batch_size=8, filter_groups=False), "gen_batch_size=8 < train_batch_size=32"),
-    (dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=100), "ppo_max_token_len_per_gpu=100 must be >="),
+    (dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=100), "ppo_max_token_len_per_gpu=100 x sp_size=1 must be >="),
     (dict(logger=["console", "neptune"]), "logger 'neptune'"),
     (dict(n=0), "n=0 must be > 0"),
     (dict(sp_size=2), "sp_size=2 x tp_size=1 = 2 must divide the world size 1"),
@@ -64,6 +64,14 @@ def test_config_errors_name_the_key(args, msg):
 def test_cross_field_validation(over, msg):
     with pytest.raises(T.ConfigError, match=msg):
         T.validate(T.Config(**over), world_size=1, check_files=False)
+
+
+def test_token_budget_is_per_gpu_and_an_sp_group_pools_it():
+    """verl's convention: one sequence (512 + 1024 tokens) must fit the budget of an SP group, sp_size x per GPU."""
+    cfg = dict(use_dynamic_bsz=True, sp_size=2, log_prob_max_token_len_per_gpu=800)
+    T.validate(T.Config(**cfg, ppo_max_token_len_per_gpu=800), world_size=2, check_files=False)  # 1600 >= 1536
+    with pytest.raises(T.ConfigError, match="ppo_max_token_len_per_gpu=700 x sp_size=2 must be >= .* = 1536"):
+        T.validate(T.Config(**cfg, ppo_max_token_len_per_gpu=700), world_size=2, check_files=False)
 
 
 def test_world_size_must_split_mini_batch():
