@@ -2,6 +2,7 @@
 Run under torchrun (2 CPU processes, gloo) it loads one with FSDP sharding the expert stacks:
     python -m torch.distributed.run --nproc-per-node 2 tests/moe_util.py MODEL_DIR OUT.pt
 and rank 0 saves every parameter gathered from the shards."""
+import os
 import sys
 
 import torch
@@ -57,3 +58,4 @@ def fsdp_load(model_dir, out):
 
 if __name__ == "__main__":  # with the repository root on PYTHONPATH
     fsdp_load(*sys.argv[1:])
+    os._exit(0)  # skip interpreter teardown, where gloo's threads can abort the process (see dist_check.py)
