@@ -31,6 +31,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
 p.add_argument("--device", default=None, help="cuda | cpu (default: the accelerator when available)")
 p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(M.KNOWN_CONFIGS))
+p.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (0 = all): a MoE that fits")
 p.add_argument("--prompt-len", type=int, default=256)
 p.add_argument("--max-response", type=int, default=2048)
 p.add_argument("--resp-median", type=float, default=768.0)
@@ -83,6 +84,8 @@ print(f"bf16 matmul {args.peak_n}^3: {PEAK / 1e12:.1f} TFLOP/s (median)")
 # them, in the trainer's use_dynamic_bsz micro-batches, gradient checkpointing on; median of --repeats steps
 
 cfg = model_config(args.shape, args.tiny)
+if args.layers:
+    cfg = M.ModelConfig.from_hf({**cfg.to_hf(torch.float32), "num_hidden_layers": args.layers})
 rng = random.Random(args.seed)
 resp_lens = []
 while sum(args.prompt_len + r for r in resp_lens) < args.step_tokens:
@@ -107,7 +110,7 @@ print(f"workload: {RES['workload']}")
 # sum(n_i^2); MFU_nonemb leaves the head out; HFU adds what checkpointing recomputes (blocks, head, attention)
 H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
 HEAD = V * H
-N_BLOCKS = cfg.num_params() - V * H * (1 if cfg.tie_word_embeddings else 2)  # decoder blocks + final norm
+N_BLOCKS = cfg.num_active_params() - V * H * (1 if cfg.tie_word_embeddings else 2)  # blocks (top-k experts) + norm
 ATTN_FWD = 2 * L * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lens)  # causal, forward
 FLOPS_MODEL = 6 * (N_BLOCKS + HEAD) * NTOK + 3 * ATTN_FWD
 FLOPS_NONEMB = 6 * N_BLOCKS * NTOK + 3 * ATTN_FWD
