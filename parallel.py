@@ -4,7 +4,6 @@ RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP, Ulysses S
 (bf16 compute over fp32 master weights); full weights in buckets for the rollout engine; distributed checkpoints,
 written atomically and checked completely before a resume touches the model.
 """
-import contextlib
 import errno
 import json
 import math
@@ -12,6 +11,7 @@ import os
 import pickle
 import random
 import shutil
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,13 +63,6 @@ def process_group_backend(kind: str) -> str:
 def get_device(requested: str = "auto") -> torch.device:
     kind = device_type(requested)
     return torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """bf16 compute over fp32 master weights on accelerators; plain fp32 on CPU."""
-    if device.type == "cpu" or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def max_memory_allocated_gib(device: torch.device) -> float:
@@ -150,7 +143,7 @@ class ParallelDims:
     device: torch.device
     sp: int = 1
     ep: int = 1
-    mesh: object = None  # DeviceMesh ("dp", "sp", "tp") when world_size > 1
+    mesh: object = None  # DeviceMesh ("dp", "sp", "tp") when sharded
     fsdp_mesh: object = None  # its ("dp", "sp") dimensions flattened: the ranks FSDP shards over
     expert_mesh: object = None  # DeviceMesh ("efsdp", "ep") over the same ranks, when ep > 1
     group: object = None  # the trainer ranks' process group (None: the whole world)
@@ -184,6 +177,12 @@ class ParallelDims:
         return self.rank // self.tp % self.ep
 
     @property
+    def sharded(self) -> bool:
+        """The policy runs under FSDP2 (fp32 master weights, compute in bf16): several ranks, or one accelerator,
+        which is a mesh of one; only a single CPU process trains a plain fp32 module."""
+        return self.mesh is not None
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -202,18 +201,32 @@ def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1
     dims = ParallelDims(world, rank, local_rank, tp, dev, sp=sp, ep=ep)
     if kind != "cpu":
         torch.get_device_module(kind).set_device(local_rank)
-    if total > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=process_group_backend(kind))
+    sharded = world > 1 or kind != "cpu"
+    if total > 1 or sharded:
+        init_process_group(kind)
     if rollout:
         dims.group = dist.new_group(list(range(world)))
         dims.rollout_group = dist.new_group([0, *range(world, total)])
-    if world > 1:
+    if sharded:
         dims.mesh = DeviceMesh(kind, torch.arange(world).view(dims.dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
         dims.fsdp_mesh = dims.mesh["dp", "sp"]._flatten("fsdp")
         if ep > 1:
             dims.expert_mesh = DeviceMesh(kind, torch.arange(world).view(dims.efsdp_size, ep),
                                           mesh_dim_names=("efsdp", "ep"))
     return dims
+
+
+def init_process_group(kind: str):
+    """torchrun's process group; a process started without torchrun gets a group of one on 127.0.0.1 and the
+    variables torchrun would have set (vLLM's external launcher reads RANK and LOCAL_RANK)."""
+    if dist.is_initialized():
+        return
+    if not ("MASTER_ADDR" in os.environ and "RANK" in os.environ):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend=process_group_backend(kind))
 
 
 def shutdown():

@@ -38,7 +38,6 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
                              num_experts=m.num_experts)
     fsdp = dp * sp
     w = 4 if cfg.dtype == "float32" else 2
-    sharded = world_size > 1
     P = m.num_params()
     h, hd, L, E, k = m.hidden_size, m.head_dim, m.num_hidden_layers, m.num_experts, m.num_experts_per_tok
     q, kv = m.num_attention_heads * hd, m.num_key_value_heads * hd
@@ -49,19 +48,20 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     experts, router = E * 3 * h * m.moe_intermediate_size, E * h  # a MoE layer's, replicated over TP
     by_tp = L * attn + (L - n_moe) * mlp
     root = P - L * (attn + norms) - (L - n_moe) * mlp - n_moe * (experts + router)  # embeddings, lm_head, norm
-    # experts: 1/ep of each stack per EP rank, FSDP over fsdp / ep: 1/fsdp a GPU, as without EP
-    per_gpu = (by_tp / (fsdp * tp) + (P - by_tp) / fsdp) if sharded else P  # params held by one GPU
-    offload = sharded and (cfg.param_offload or cfg.optimizer_offload)
+    # every GPU run is FSDP2 (one GPU: a mesh of one); experts: 1/ep of each stack per EP rank, FSDP over fsdp / ep:
+    # 1/fsdp a GPU, as without EP
+    per_gpu = by_tp / (fsdp * tp) + (P - by_tp) / fsdp  # params held by one GPU
+    offload = cfg.param_offload or cfg.optimizer_offload
     use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
 
     state = {"params": 4 * per_gpu, "grads": 4 * per_gpu, "optimizer": 8 * per_gpu,
              "ref_params": 4 * per_gpu if use_ref else 0}
     gib = {k: 0.0 if offload else v / GiB for k, v in state.items()}
     host_gib = sum(state.values()) / GiB if offload else 0.0
-    gib["engine_weights"] = w * P / GiB if sharded else 0.0
+    gib["engine_weights"] = w * P / GiB
     gib["runtime"] = runtime_gib
     blocks = [attn / tp + norms + mlp / tp] * (n_moe < L) + [attn / tp + norms + router + experts / ep] * (n_moe > 0)
-    gib["working"] = (2 * w * (root + max(blocks)) if sharded else w * P) / GiB
+    gib["working"] = 2 * w * (root + max(blocks)) / GiB
     seq = cfg.max_prompt_length + cfg.max_response_length
     tokens = cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
     local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
@@ -95,8 +95,6 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
     notes = []
-    if (cfg.param_offload or cfg.optimizer_offload) and not sharded:
-        notes.append("param_offload/optimizer_offload act only under FSDP (world size > 1)")
     if vllm:
         seqs = vllm_kv_gib * GiB / (kv_token * seq)
         short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
@@ -108,7 +106,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     if n_moe and ep > 1:
         notes.append(f"EP {ep}: each GPU computes {E // ep} of {E} experts a MoE layer; all-to-all rows assume "
                      "balanced routing (a skewed router sends more to some GPUs)")
-    elif n_moe and sharded:
+    elif n_moe:
         notes.append(f"MoE without EP: FSDP gathers all {E} experts of a layer on every GPU (working weights); "
                      "ep_size splits them")
     else:
@@ -120,20 +118,18 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib, "resident_gib": total["resident"],
             "training_gib": total["training"], "generation_gib": total["generation"], "peak_gib": peak,
             "peak_phase": peak_phase, "verdict": "fits" if fits else "does not fit", "largest": largest,
-            "knob": None if fits else _memory_knob(largest, cfg, sharded, n_moe > 0), "notes": notes}
+            "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes}
 
 
-def _memory_knob(term: str, cfg, sharded: bool, moe: bool = False) -> str:
+def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     """What to turn when `term` is the largest part of a peak that does not fit."""
     budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
     if term in ("params", "grads", "optimizer", "ref_params"):
-        if not sharded:
-            return "more GPUs (FSDP shards params, grads and AdamW states over dp; offload needs world size > 1)"
         return "param_offload=True + optimizer_offload=True (states to the host), or more GPUs (smaller shards)"
     if term == "working":
-        if moe and sharded:
+        if moe:
             return "ep_size (splits each MoE layer's experts over ep_size GPUs)"
-        return "tp_size (splits the unsharded block weights), or more GPUs" if sharded else "more GPUs (FSDP)"
+        return "tp_size (splits the unsharded block weights), or more GPUs"
     if term == "a2a_buffers":
         return f"{budget} (rows exchanged per MoE layer), or sp_size"
     if term == "vllm_awake":

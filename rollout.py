@@ -19,7 +19,6 @@ are not, so they differ by the log of the kept mass (the training defaults top_p
 """
 import importlib.util
 import os
-import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -141,10 +140,8 @@ class TorchEngine:
         """Per layer (k, v) [rows, kv_heads, max_len, head_dim], reused while large enough; with CUDA graphs also
         their inputs (tokens, positions) and output (logits), shared by all graphs."""
         cfg, w = self.model.config, self.model.output_weight
-        # under autocast (an fp32 model on one GPU) k/v come out in the autocast dtype, as in the trainer's forward
-        dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else w.dtype
-        c = self._cache
-        if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len and c[0][0].dtype == dtype:
+        dtype, c = w.dtype, self._cache
+        if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:
             return c
         shape = (rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # old graphs read the old cache
@@ -301,16 +298,10 @@ def engine_results(per_rank: list, gen_tp: int) -> list:
 
 
 def _ensure_process_group():
-    """vLLM's external_launcher joins torchrun's process group and reads RANK and LOCAL_RANK; a process started
-    without torchrun gets a group of one on 127.0.0.1 and the variables torchrun would have set."""
+    """vLLM's external_launcher joins torchrun's process group (parallel.init_process_group: a group of one
+    without torchrun) and reads RANK and LOCAL_RANK."""
     kind = parallel.device_type()
-    if not dist.is_initialized():
-        if not ("MASTER_ADDR" in os.environ and "RANK" in os.environ):  # not under torchrun: a group of one
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group(backend=parallel.process_group_backend(kind))
+    parallel.init_process_group(kind)
     os.environ.setdefault("RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
     os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if kind != "cpu" else 0))

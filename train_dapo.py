@@ -145,7 +145,7 @@ class Config:
     tp_size: int = 1  # tensor parallel degree for training
     sp_size: int = 1  # Ulysses sequence parallel degree: ranks that split each micro-batch's tokens
     ep_size: int = 1  # expert parallelism (MoE): ranks of the dp x sp ranks that split each layer's experts
-    compile: bool = False  # torch.compile each decoder block (multi-GPU runs)
+    compile: bool = False  # torch.compile each decoder block (GPU or multi-rank runs)
     param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
     optimizer_offload: bool = False  # same policy as param_offload: FSDP2 offloads all three together
     # schedule
@@ -395,9 +395,8 @@ def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: Samplin
     """Engine `engine` of `engines` generates and scores its slice of the prompts, seeded apart from the others."""
     _, lo, hi = engine_share(len(prompts), engines, 1, engine)
     params = SamplingParams(**{**params.__dict__, "seed": params.seed + 100003 * engine})
-    with run.gen_ctx:
-        return generate_and_score(run.engine, run.tokenizer, run.scorer, prompts[lo:hi], params, cfg,
-                                  group_offset=group_offset + lo, version=version, timing=timing)
+    return generate_and_score(run.engine, run.tokenizer, run.scorer, prompts[lo:hi], params, cfg,
+                              group_offset=group_offset + lo, version=version, timing=timing)
 
 
 def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
@@ -446,8 +445,8 @@ def generation_rounds(run: "Run", cfg: Config, *, step: int, version: int, timin
         traj.seq_final_reward = traj.seq_reward
         if cfg.use_kl_in_reward:  # seq_final_reward = seq_reward - kl_coef * sum of token KL
             with timed("ref", timing):
-                traj.ref_logp = compute_logprobs(run.ref_model, traj, cfg, run.train_ctx, run.dims)
-                traj.old_logp = compute_logprobs(run.model, traj, cfg, run.train_ctx, run.dims)  # kept for step 6
+                traj.ref_logp = compute_logprobs(run.ref_model, traj, cfg, run.dims)
+                traj.old_logp = compute_logprobs(run.model, traj, cfg, run.dims)  # kept for step 6
             kl = kl_penalty(traj.old_logp, traj.ref_logp, cfg.kl_penalty)
             traj.seq_final_reward = traj.seq_reward - cfg.kl_coef * (kl * traj.response_mask).sum(-1)
         yield traj
@@ -650,7 +649,7 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
 
 
 @torch.no_grad()
-def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx, dims) -> torch.Tensor:
+def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tensor:
     """Log-probs of every trajectory's response under `model`: each dp rank computes its share in
     token-budget or counted micro-batches, then all ranks exchange them."""
     budget = cfg.log_prob_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
@@ -661,8 +660,7 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx, dims) -> torch
         mine = rank_share(mine, dims)
     out = torch.zeros_like(traj.response_mask, dtype=torch.float32)
     for mb in micro_batches(traj, mine, cfg.log_prob_micro_batch_size_per_gpu, budget, dims):
-        with ctx:
-            logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False)
+        logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False)
         out[mb] = logp.float().cpu()
     if dims.dp > 1:
         for idx, part in parallel.all_gather_objects((mine, out[mine]), dims):
@@ -674,7 +672,7 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, ctx, dims) -> torch
 # step 7: the policy update
 
 
-def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, ctx, dims, *, on_policy: bool) -> dict:
+def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, dims, *, on_policy: bool) -> dict:
     """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Every rank holds the whole batch and trains
     on its share of each mini-batch. One normalisation: a micro-batch's loss is its sum divided by the whole
     mini-batch's count (tokens or sequences, over all ranks), and gradients are summed over ranks (FSDP's division
@@ -700,8 +698,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 mask = traj.response_mask[mb].to(device)
                 mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
                 router_loads = [] if router_aux else None
-                with ctx:
-                    logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=True, router_loads=router_loads)
+                logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=True, router_loads=router_loads)
                 logp, ent = logp.float(), ent.float()
                 rollout_logp = traj.rollout_logp[mb].to(device)
                 old_logp = logp.detach() if on_policy else traj.old_logp[mb].to(device)
@@ -786,14 +783,12 @@ class Run:
     scorer: reward.RewardScorer
     engine: TorchEngine | VLLMEngine | None  # None on trainer ranks in async mode
     gen_tp: int  # ranks per engine
-    gen_ctx: typing.ContextManager
     compute_dtype: torch.dtype
     log: typing.Callable
     model: torch.nn.Module = None  # the policy: fp32 master weights
     ref_model: torch.nn.Module | None = None  # only when a KL term is on
     optimizer: torch.optim.Optimizer = None
     scheduler: torch.optim.lr_scheduler.LambdaLR = None
-    train_ctx: typing.ContextManager = None  # autocast on one device; FSDP casts by itself
     total_steps: int = 0
     out_dir_lock: typing.IO | None = None  # held by rank 0 for the whole run
     rollouts: RolloutQueue | None = None  # async mode: rounds asked of the generator ranks
@@ -861,7 +856,7 @@ def train(cfg: Config):
         # 6. old log-probs (recomputed unless on_policy) and reference log-probs; optional token rejection
         with timed("old_logp", timing):
             if not on_policy and batch.old_logp is None:
-                batch.old_logp = compute_logprobs(model, batch, cfg, run.train_ctx, dims)
+                batch.old_logp = compute_logprobs(model, batch, cfg, dims)
         if batch.old_logp is not None:
             metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
         if cfg.rollout_rs_threshold > 0:
@@ -870,11 +865,11 @@ def train(cfg: Config):
             batch.response_mask = batch.response_mask * keep
         if cfg.use_kl_loss:
             with timed("ref", timing):
-                batch.ref_logp = compute_logprobs(run.ref_model, batch, cfg, run.train_ctx, dims)
+                batch.ref_logp = compute_logprobs(run.ref_model, batch, cfg, dims)
 
         # 7. update
         with timed("update", timing):
-            metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, run.train_ctx, dims,
+            metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, dims,
                                          on_policy=batch.old_logp is None))
         version += 1
         step += 1
@@ -953,8 +948,7 @@ def setup(cfg: Config) -> Run:
     if dims.is_generator:  # async mode: a built-in engine with its own copy of the weights; no policy, no optimizer
         engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
                              max_num_seqs=cfg.max_num_seqs, shares_weights=False)
-        return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, 1, contextlib.nullcontext(),
-                   compute_dtype, log)
+        return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, 1, compute_dtype, log)
 
     # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
     # sleeps (weights and cache released) until the first rollout
@@ -970,9 +964,9 @@ def setup(cfg: Config) -> Run:
         log(f"rollout engine: vLLM, {dims.world_size // gen_tp} engine(s) of TP {gen_tp}, started in "
             f"{time.perf_counter() - t0:.0f} s; {engine.awake_bytes / 2**30:.1f} GiB each while awake")
 
-    # the policy: fp32 master weights. One device: plain module under autocast. Several: TP / SP / FSDP2 shards
-    # with bf16 compute; a rollout engine then holds its own weights, pushed from these before every rollout.
-    sharded = dims.world_size > 1
+    # the policy: fp32 master weights. A CPU process: a plain fp32 module. Else TP / SP / FSDP2 shards (one GPU is a
+    # mesh of one) computing in bf16; a rollout engine then holds its own weights, pushed before every rollout.
+    sharded = dims.sharded
     shard = (lambda m: parallel.parallelize(m, dims, param_dtype=compute_dtype,  # noqa: E731
                                             offload=cfg.param_offload or cfg.optimizer_offload,
                                             compile=cfg.compile)) if sharded else None
@@ -982,21 +976,19 @@ def setup(cfg: Config) -> Run:
     if cfg.use_kl_loss or cfg.use_kl_in_reward:
         ref_model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
         ref_model.eval().requires_grad_(False)
-    train_ctx = contextlib.nullcontext() if sharded else parallel.autocast(dims.device, compute_dtype)
     if cfg.rollout_gpus:
         log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s) with the built-in engine, "
             f"max_staleness={cfg.max_staleness}, tis_imp_ratio_cap={tis_cap(cfg)}")
-    elif engine is None:  # the built-in engine: the trainer's own module on one device, else a full bf16 copy
+    elif engine is None:  # the built-in engine: the trainer's own module on a CPU, else a full bf16 copy
         gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if sharded else model
         engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not sharded), 1
         log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''})")
-    gen_ctx = train_ctx if isinstance(engine, TorchEngine) else contextlib.nullcontext()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * optimizer_steps_per_step(cfg))
-    return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, gen_tp, gen_ctx, compute_dtype,
-               log, model, ref_model, optimizer, scheduler, train_ctx, total_steps, out_dir_lock)
+    return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, gen_tp, compute_dtype, log, model,
+               ref_model, optimizer, scheduler, total_steps, out_dir_lock)
 
 
 def resume(cfg: Config, run: Run) -> int:
@@ -1419,8 +1411,9 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     dp = world_size // (cfg.tp_size * cfg.sp_size)
     need((M * G) % dp == 0, f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over "
                             f"{dp} data-parallel ranks (world_size / (tp_size * sp_size))")
-    need(not cfg.compile or world_size > 1, "compile=True is for sharded runs (torchrun, 2+ GPUs): on one device the "
-                                            "built-in engine decodes with the trainer's own module, untested compiled")
+    cpu = (parallel.device_type() if cfg.device == "auto" else cfg.device) == "cpu"
+    need(not cfg.compile or world_size > 1 or not cpu, "compile=True compiles the sharded policy (a GPU, or torchrun "
+         "ranks); one CPU process trains a plain module that the built-in engine decodes with: set compile=False")
     per_rank = M * G // dp
     need(cfg.use_dynamic_bsz or per_rank % cfg.ppo_micro_batch_size_per_gpu == 0,
          f"ppo_micro_batch_size_per_gpu={cfg.ppo_micro_batch_size_per_gpu} must divide the per-rank mini-batch "

@@ -41,10 +41,11 @@ p.add_argument("--token-budget", type=int, default=16384, help="tokens per micro
 p.add_argument("--logprob-chunk", type=int, default=1024)
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--repeats", type=int, default=4)
-p.add_argument("--rows", default="update,bare,bare_bf16,hf,hf_bf16",
-               help="comma list: update (nanodapo update_policy, autocast), bare (nanodapo, autocast), bare_bf16, "
-                    "update_compiled (update_policy with each block torch.compile'd), hf (transformers, autocast), "
-                    "hf_bf16")
+p.add_argument("--rows", default="update,update_autocast,bare,bare_bf16,hf,hf_bf16",
+               help="comma list: update (nanodapo update_policy as the trainer runs it: FSDP2 on a mesh of one, bf16 "
+                    "compute), update_fused_adam (the same, AdamW fused=True), update_compiled (the same, each block "
+                    "torch.compile'd), update_autocast (a plain fp32 module under bf16 autocast), bare (nanodapo, "
+                    "autocast), bare_bf16, hf (transformers, autocast), hf_bf16")
 p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--profile", action="store_true",
@@ -55,10 +56,9 @@ if args.tiny:
     args.prompt_len, args.max_response, args.resp_median = 16, 64, 24.0
     args.step_tokens, args.token_budget, args.logprob_chunk = 1024, 256, 64
     args.warmup, args.repeats, args.peak_n = 1, 2, 512
-device = parallel.get_device(args.device or "auto")
+DIMS = parallel.init_distributed(args.device or "auto")  # the trainer's: on a GPU, a process group and mesh of one
+device = DIMS.device
 cuda = device.type == "cuda"
-if cuda:
-    torch.cuda.set_device(device.index or 0)
 OUT = out_path(args.out, "train")
 RES = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "rows": {}, "errors": {}}
 
@@ -268,7 +268,7 @@ def free():
 # -----------------------------------------------------------------------------
 # nanodapo rows
 
-ctx_auto = parallel.autocast(device, torch.bfloat16)  # a null context on the CPU (the trainer runs fp32 there)
+ctx_auto = torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext()  # the CPU runs fp32
 t0 = time.perf_counter()
 nano = random_model(cfg, device, seed=args.seed)
 nano.gradient_checkpointing = True
@@ -299,27 +299,50 @@ def bare_step_fn(m, opt, packed, ctx):
     return step
 
 
-def update_row(name, precision):
+def update_row(name, precision, m, ctx=contextlib.nullcontext(), fused=None):
     traj, tcfg = build_traj(), trainer_cfg()
-    dims = parallel.ParallelDims(world_size=1, rank=0, local_rank=0, tp=1, device=device)
-    opt = torch.optim.AdamW(nano.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
+    opt = torch.optim.AdamW(m.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay,
+                            fused=fused)
     sched = T.make_scheduler(opt, tcfg, 10**6)
     last = {}
 
     def update_step():
-        last.update(T.update_policy(nano, opt, sched, traj, tcfg, ctx_auto, dims, on_policy=True))  # fresh data
+        with ctx:
+            last.update(T.update_policy(m, opt, sched, traj, tcfg, DIMS, on_policy=True))  # fresh data
         return last.get("actor/pg_loss", float("nan"))
-    r = time_steps(name, update_step, list(nano.parameters()),
+    t0 = time.perf_counter()
+    r = time_steps(name, update_step, list(m.parameters()),
                    {"impl": "nanodapo", "loop": "train_dapo.update_policy", "precision": precision})
+    r["row_wall_s"] = round(time.perf_counter() - t0, 1)
     r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
     r["metrics_last_step"] = {k: v for k, v in last.items() if isinstance(v, (int, float))}
-    nano.zero_grad(set_to_none=True)  # the optimizer's states go with this function's scope
-    reset_weights(nano)
+    m.zero_grad(set_to_none=True)  # the optimizer's states go with this function's scope
     free()
 
 
-if "update" in rows:
-    update_row("nanodapo update_policy", "fp32 master + bf16 autocast")
+def trainer_model(compile=False):
+    """A copy of the weights as train_dapo.setup builds the policy: FSDP2 over DIMS (bf16 compute, fp32 master)."""
+    m = copy.deepcopy(nano)
+    if DIMS.sharded:
+        parallel.parallelize(m, DIMS, param_dtype=torch.bfloat16, compile=compile)
+    elif compile:
+        parallel.apply_compile(m)
+    return m
+
+
+for row, name, kw in (("update", "nanodapo update_policy", {}),
+                      ("update_fused_adam", "nanodapo update fused AdamW", {"fused": True}),
+                      ("update_compiled", "nanodapo update compiled", {"compile": True})):
+    if row in rows:
+        m = trainer_model(compile=kw.get("compile", False))
+        update_row(name, "FSDP2 bf16 compute, fp32 master" + (", compiled" if "compile" in kw else ""), m,
+                   fused=kw.get("fused"))
+        del m
+        free()
+
+if "update_autocast" in rows:
+    update_row("nanodapo update autocast", "fp32 master + bf16 autocast", nano, ctx_auto)
+    reset_weights(nano)
 
 if "bare" in rows:
     opt = torch.optim.AdamW(nano.parameters(), lr=1e-6, weight_decay=0.1)
@@ -341,12 +364,6 @@ if "bare_bf16" in rows:
     r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
     del opt, nb
     free()
-
-if "update_compiled" in rows:  # last of the nanodapo rows: compiling changes the blocks in place
-    t0 = time.perf_counter()
-    parallel.apply_compile(nano)  # what compile=True does in sharded runs: torch.compile of each decoder block
-    update_row("nanodapo update compiled", "autocast, blocks torch.compile'd")
-    RES["rows"]["nanodapo update compiled"]["row_wall_s_with_compile"] = round(time.perf_counter() - t0, 1)
 
 # -----------------------------------------------------------------------------
 # transformers rows
@@ -467,7 +484,7 @@ if "tokens_per_s" in a and "tokens_per_s" in b:
     RES["headline"] = {"update_over_transformers": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
                        "nanodapo_MFU": a["MFU"], "transformers_MFU": b["MFU"]}
     save()
-    print(f"HEADLINE nanodapo update_policy / transformers (both fp32+bf16 autocast) = "
+    print(f"HEADLINE nanodapo update_policy / transformers (fp32 master, bf16 compute) = "
           f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s; MFU nanodapo {a['MFU']:.3f}, transformers "
           f"{b['MFU']:.3f} (goal >= 0.5)")
 else:

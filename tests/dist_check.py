@@ -14,7 +14,6 @@
                         forward + backward with the router aux loss (log-probs per document, losses, full
                         gradients), AdamW steps, then the full weights in HF names and the push's bucket sizes
 """
-import contextlib
 import os
 import sys
 
@@ -145,7 +144,7 @@ def main(mode, ckpt_dir, out):
         cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                        ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=15)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: a wrong gradient scale would show
-        T.update_policy(model, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, contextlib.nullcontext(),
+        T.update_policy(model, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg,
                         dims, on_policy=False)
     elif mode == "save":  # one step, then a checkpoint
         import train_dapo as T

@@ -178,14 +178,16 @@ def test_memory_plan_refuses_a_mesh_that_does_not_divide():
         plan.memory_plan(tiny_cfg(tp_size=4), tiny_model(), 8, 80)
 
 
-def test_memory_plan_single_gpu_has_no_fsdp():
-    # world size 1: full fp32 copies, autocast's bf16 copy while training, the engine shares the trainer's fp32
-    # weights (no second copy; its KV cache is bf16, generated under autocast), and offload does not apply
-    p = plan.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
-    b = plan_bytes(p)
+def test_memory_plan_single_gpu_is_fsdp_over_a_mesh_of_one():
+    # world size 1: FSDP over one GPU holds full fp32 params, grads and AdamW states (offload moves them to the
+    # host), gathers bf16 blocks one at a time, and the built-in engine decodes its own bf16 copy
+    b = plan_bytes(plan.memory_plan(tiny_cfg(tp_size=1), tiny_model(), 1, 80, runtime_gib=0))
     assert (b["params"], b["grads"], b["optimizer"]) == (4 * 202_304, 4 * 202_304, 8 * 202_304)
-    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (2 * 202_304, 0, 131_072)
-    assert p["host_gib"] == 0 and any("world size > 1" in n for n in p["notes"])
+    # 2 x bf16 x (root 128,064 + one whole block 37,120); the engine's copy: 2 bytes x P
+    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (4 * 165_184, 2 * 202_304, 131_072)
+    p = plan.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
+    assert p["gib"]["params"] == p["gib"]["grads"] == p["gib"]["optimizer"] == 0
+    assert round(p["host_gib"] * GiB) == 16 * 202_304
 
 
 def test_memory_plan_with_the_vllm_engine():

@@ -63,7 +63,6 @@ def test_sharded_training_matches_single_process(model_dir, tmp_path, mode, npro
 def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode):
     """2 ranks x token-budget micro-batches give the single-process update (global token-mean); with sp=2 the
     two ranks split each micro-batch's tokens instead of the micro-batches."""
-    import contextlib
 
     import train_dapo as T
     from conftest import random_batch
@@ -73,7 +72,7 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode):
     cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                    ppo_micro_batch_size_per_gpu=6)
     before = {k: v.detach().clone() for k, v in m.named_parameters()}
-    T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, contextlib.nullcontext(), dims,
+    T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, dims,
                     on_policy=False)
     torchrun(2, mode, model_dir, tmp_path / "out.pt")
     assert max_diff(dict(m.named_parameters()), before) > 1e-3  # the step is large enough to see a scale error

@@ -118,17 +118,3 @@ def test_sampling_distribution(temperature, top_k, top_p, expected):
     # log-probs are always those of the unfiltered tempered distribution
     tempered = torch.log_softmax(torch.log(torch.tensor(P)) / temperature, -1)
     assert torch.allclose(logp, tempered[tok], atol=1e-6)
-
-
-def test_fp32_model_generates_under_bf16_autocast_with_a_bf16_cache():
-    """One GPU trains an fp32 master model under autocast and the built-in engine shares it: k/v come out in bf16,
-    so the cache must be bf16 (the decode step's index_put into an fp32 cache fails)."""
-    m = tiny_model(4)
-    params = R.SamplingParams(n=2, temperature=0, max_tokens=6)
-    eng = R.TorchEngine(m)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = eng.generate(PROMPTS, params)
-    assert eng._cache[0][0].dtype == torch.bfloat16
-    assert all(len(c.token_ids) == 6 for cs in out for c in cs)
-    eng.generate(PROMPTS, params)  # without autocast the cache is reallocated in the weights' dtype
-    assert eng._cache[0][0].dtype == torch.float32

@@ -13,8 +13,8 @@ save_pretrained, the demo's tokenizer files) into MODEL_DIR before the checks, s
 Prompts: the chat-templated prompts of a parquet file (default: the demo's validation set), cut from the left
 to --max_prompt_length, or to what --max_tokens leaves of the model's max_position_embeddings where that is
 less; the engine's max_model_len is that prompt length + max_tokens (the trainer's: max_prompt_length +
-max_response_length). Every rank holds the trainer's model (fp32 master weights, bf16 autocast, as on one
-GPU) and its share of world_size / gen_tp engines; prompts are split over engines as the trainer splits them.
+max_response_length). Every rank holds the trainer's model as it computes (bf16 weights: what FSDP gathers
+from the fp32 master weights on a GPU) and its share of world_size / gen_tp engines; prompts are split over engines as the trainer splits them.
 Checks, each a line "PASS|FAIL name: figures", and a JSON of the figures:
  1. after a push, the trainer's teacher-forced log-probs of vLLM's samples (T=1) vs vLLM's own:
     mean |difference| < 0.02
@@ -89,13 +89,13 @@ def main(argv=None) -> bool:
                           enforce_eager=bool(a.enforce_eager), seed=0)
     fig = {"engine_start_s": time.perf_counter() - t0, "world_size": dims.world_size, "gen_tp": a.gen_tp,
            "max_model_len": max_model_len}
-    model = M.from_pretrained(a.model_dir, dtype=torch.float32, device=dims.device)
+    model = M.from_pretrained(a.model_dir, dtype=torch.float32 if dims.device.type == "cpu" else torch.bfloat16,
+                              device=dims.device)
     tok = data.Tokenizer.from_pretrained(a.model_dir)
     prompts = [p["prompt_ids"] for p in data.load_prompts(a.data, tok, max_prompt_length=max_prompt_length,
                                                            truncation="left", max_samples=a.num_prompts)]
     _, lo, hi = R.engine_share(len(prompts), dims.world_size, a.gen_tp, dims.rank)
     mine = prompts[lo:hi]
-    ctx = parallel.autocast(dims.device, torch.bfloat16 if dims.device.type != "cpu" else torch.float32)
     results = {}
 
     def check(name, ok, **figures):
@@ -131,7 +131,7 @@ def main(argv=None) -> bool:
         rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs)
     cfg = T.Config(temperature=1.0, logprob_chunk=1024)
     diffs = []
-    with torch.no_grad(), ctx:
+    with torch.no_grad():
         for s in range(0, len(comps), 32):
             idx = list(range(s, min(s + 32, len(comps))))
             logp, _ = T.sequence_logprobs(model, traj, idx, cfg, with_entropy=False)
