@@ -55,7 +55,7 @@ def run_job(model_dir: str, job: str) -> dict:
     """One job ('save:EP:PATH' or 'load:EP:PATH') on a fresh model at this launch's world size -> its record."""
     action, ep, path = job.split(":", 2)
     dims = parallel.init_distributed("cpu", ep=int(ep))  # the process group is made once; a new mesh per job
-    shard = (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32)) if dims.world_size > 1 else None
+    shard = (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32)) if dims.sharded else None
     model = M.from_pretrained(model_dir, dtype=torch.float32, parallelize=shard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     if action == "save":
