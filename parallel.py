@@ -191,9 +191,11 @@ class ParallelDims:
         return self.rank >= self.world_size
 
 
-def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1, rollout: int = 0) -> ParallelDims:
+def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1, rollout: int = 0,
+                     mesh_of_one: bool | None = None) -> ParallelDims:
     """This rank's ParallelDims from torchrun's environment (plain python: one rank), checked before any process
-    group or device is set up. rollout > 0: the last rollout ranks only generate; the mesh spans the others."""
+    group or device is set up. rollout > 0: the last rollout ranks only generate; the mesh spans the others.
+    mesh_of_one: whether one trainer rank gets a mesh (FSDP) too; None = on an accelerator, not on a CPU."""
     total = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), total - rollout
     kind = device_type(device)
@@ -201,7 +203,7 @@ def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1
     dims = ParallelDims(world, rank, local_rank, tp, dev, sp=sp, ep=ep)
     if kind != "cpu":
         torch.get_device_module(kind).set_device(local_rank)
-    sharded = world > 1 or kind != "cpu"
+    sharded = world > 1 or (kind != "cpu" if mesh_of_one is None else mesh_of_one)
     if total > 1 or sharded:
         init_process_group(kind)
     if rollout:
@@ -416,7 +418,7 @@ def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: 
         apply_ep(model, dims.expert_mesh["ep"])
     if compile:
         apply_compile(model)
-    if dims.world_size > 1:
+    if dims.sharded:
         apply_fsdp(model, dims.fsdp_mesh, param_dtype=param_dtype, offload=offload, expert_mesh=dims.expert_mesh)
 
 

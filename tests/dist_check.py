@@ -7,6 +7,8 @@
                         loss, full gradients), then the AdamW steps
   update                train_dapo.update_policy on a fixed batch (token-mean over dp ranks), FSDP over all ranks
   update_sp             the same with sp=2: both ranks split every micro-batch's tokens (Ulysses)
+  update_one            the same on one rank with a mesh of one (FSDP over one device, as on one GPU)
+  bf16_one              a mesh of one computing in bf16 over fp32 master weights: one forward + backward
   save | load           a train_dapo-style checkpoint written / read at this world size
   ep2 | ep4 | ep2_fsdp | moe_fsdp | moe_tp
                         a tiny Qwen3-MoE: expert parallel over 2 or 4 ranks (ep2_fsdp: ep 2 on 4 ranks, experts
@@ -122,10 +124,11 @@ def full_params(model):
 def main(mode, ckpt_dir, out):
     sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2, "update_sp": 2}.get(mode, 1)
     ep = int(mode[2]) if mode.startswith("ep") else 1
-    dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp, ep=ep)
+    dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp, ep=ep, mesh_of_one=mode.endswith("one"))
+    dtype = torch.bfloat16 if mode == "bf16_one" else torch.float32  # compute dtype; master weights stay fp32
     shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
-        (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32, compile=mode == "sp_compile")) \
-        if dims.world_size > 1 else None
+        (lambda m: parallel.parallelize(m, dims, param_dtype=dtype, compile=mode == "sp_compile")) \
+        if dims.sharded else None
     model = M.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
     result = {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -134,11 +137,13 @@ def main(mode, ckpt_dir, out):
         result["dp_sum"] = parallel.sum_over_dp({"a": dims.dp_rank + 1.0, "b": 0.5}, dims)
     elif mode in ("ep2", "ep4", "ep2_fsdp", "moe_fsdp", "moe_tp"):
         result.update(moe_run(model, opt, dims))
+    elif mode == "bf16_one":
+        result.update(forward_backward(model, dims))
     elif mode in ("sp", "sp_tp", "sp4", "sp_compile"):
         model.gradient_checkpointing = True  # backward then recomputes the all-to-alls
         result.update(forward_backward(model, dims))
         result["losses"] = train_steps(model, opt, dims)
-    elif mode in ("update", "update_sp"):
+    elif mode in ("update", "update_sp", "update_one"):
         import train_dapo as T
         from conftest import random_batch  # the fixed batch of the single-process tests
         cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,

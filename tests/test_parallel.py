@@ -59,10 +59,11 @@ def test_sharded_training_matches_single_process(model_dir, tmp_path, mode, npro
                              "fsdp_tp": {"a": 3.0, "b": 1.0}}[mode]
 
 
-@pytest.mark.parametrize("mode", ["update", "update_sp"])
-def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode):
+@pytest.mark.parametrize("mode,nproc", [("update", 2), ("update_sp", 2), ("update_one", 1)])
+def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode, nproc):
     """2 ranks x token-budget micro-batches give the single-process update (global token-mean); with sp=2 the
-    two ranks split each micro-batch's tokens instead of the micro-batches."""
+    two ranks split each micro-batch's tokens instead of the micro-batches; one rank under FSDP over a mesh of
+    one (what one GPU runs) gives the plain module's."""
 
     import train_dapo as T
     from conftest import random_batch
@@ -74,7 +75,7 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode):
     before = {k: v.detach().clone() for k, v in m.named_parameters()}
     T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, dims,
                     on_policy=False)
-    torchrun(2, mode, model_dir, tmp_path / "out.pt")
+    torchrun(nproc, mode, model_dir, tmp_path / "out.pt")
     assert max_diff(dict(m.named_parameters()), before) > 1e-3  # the step is large enough to see a scale error
     assert max_diff(dict(m.named_parameters()), torch.load(tmp_path / "out.pt")["params"]) < 1e-5
 
@@ -170,3 +171,16 @@ def test_clip_grad_norm_matches_torch(max_norm):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
     assert ours[3].grad is None
     assert parallel.clip_grad_norm_([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0
+
+
+def test_mesh_of_one_computes_in_bf16_over_fp32_master_weights(model_dir, tmp_path):
+    """One GPU's policy (FSDP2 over a mesh of one, bf16 compute): the forward is the bf16 model's, exactly, and the
+    gradients are those of the bf16 model, kept in fp32 on the fp32 master parameters."""
+    torchrun(1, "bf16_one", model_dir, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")
+    ref = M.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    want = dist_check.forward_backward(ref, types.SimpleNamespace(world_size=1))
+    assert torch.equal(got["logp"], want["logp"]) and got["logp"].dtype == torch.float32
+    assert {g.dtype for g in got["grads"].values()} == {torch.float32}
+    for name, g in got["grads"].items():
+        assert torch.equal(g, want["grads"][name].float()), name
