@@ -317,8 +317,8 @@ def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
 # and 1/sp of the heads, so the packed kernels above run unchanged. The query heads of a TP rank must divide by sp.
 
 
-def split_for_sp(input_ids, position_ids, target_ids, batch: AttnBatch, group):
-    """The full packed row (the same on every SP rank) -> this rank's contiguous slice of each [1, T] tensor, and
+def split_for_sp(input_ids, position_ids, target_ids, routed_experts, batch: AttnBatch, group):
+    """The full packed row (the same on every SP rank) -> this rank's contiguous slice of each [1, T, ...] tensor, and
     an AttnBatch for the whole row padded to a multiple of sp. The padding is one extra document, so it attends only
     to itself and real tokens never see it; its outputs are dropped after the gather."""
     sp, rank, T = group.size(), torch.distributed.get_rank(group), input_ids.shape[1]
@@ -326,11 +326,14 @@ def split_for_sp(input_ids, position_ids, target_ids, batch: AttnBatch, group):
     cu, cu_list = batch.cu_seqlens, batch.cu_seqlens_list
     if pad:
         input_ids, target_ids = F.pad(input_ids, (0, pad)), F.pad(target_ids, (0, pad))
+        if routed_experts is not None:  # [1, T, layers, k]
+            routed_experts = F.pad(routed_experts, (0, 0, 0, 0, 0, pad))
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
         cu, cu_list = torch.cat([cu, cu.new_tensor([T + pad])]), cu_list + [T + pad]
     n = (T + pad) // sp
     mine = slice(rank * n, (rank + 1) * n)
     return (input_ids[:, mine], position_ids[:, mine], target_ids[:, mine],
+            None if routed_experts is None else routed_experts[:, mine],
             AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu_list, max_seqlen=max(batch.max_seqlen, pad), sp_group=group))
 
 
@@ -489,11 +492,16 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
 
-    def forward(self, x, router_loads: list | None = None):
+    def forward(self, x, router_loads: list | None = None, routed=None):
+        """routed: router replay, each token's k experts as the rollout engine chose them (any integer dtype)."""
         shape, E = x.shape, self.gate.weight.shape[0]
         x = x.reshape(-1, shape[-1])
         probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if routed is None:
+            weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        else:  # weighted by this router's probabilities, so the router still gets gradients
+            experts = routed.reshape(-1, self.top_k).long()
+            weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         if router_loads is not None:
@@ -530,10 +538,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if moe else MLP(cfg)
 
     # the caller picks the layer's cache: no layer index inside, so all blocks of a kind share one compiled graph
-    def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None, router_loads=None):
+    def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None, router_loads=None, routed=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, router_loads) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x + (self.mlp(h, router_loads, routed) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Transformer(nn.Module):
@@ -569,12 +577,14 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, position_ids=None, batch: AttnBatch | None = None, *, target_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False, logprob_chunk: int = 1024,
-                logits_at: torch.Tensor | None = None, router_loads: list | None = None):
+                logits_at: torch.Tensor | None = None, router_loads: list | None = None,
+                routed_experts: torch.Tensor | None = None):
         """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
         (log p(target), entropy or None), each [B, T] in fp32, computed in chunks of logprob_chunk tokens.
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
         logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last tokens).
         router_loads: a list each MoE layer appends its router_load of this forward's (this SP rank's) tokens to.
+        routed_experts [B, T, layers, top_k]: router replay, the experts each MoE layer sends each token to.
         With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank passes the same
         row, computes 1/sp of it and gets the whole row's outputs."""
         batch = batch or AttnBatch()
@@ -583,8 +593,8 @@ class Transformer(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         sp_group = self.sp_group if target_ids is not None and batch.cu_seqlens is not None else None
         if sp_group is not None:
-            input_ids, position_ids, target_ids, batch = split_for_sp(input_ids, position_ids, target_ids, batch,
-                                                                      sp_group)
+            input_ids, position_ids, target_ids, routed_experts, batch = split_for_sp(
+                input_ids, position_ids, target_ids, routed_experts, batch, sp_group)
         if self.inv_freq.device != input_ids.device:  # moved once (not inside a CUDA-graph capture)
             self.inv_freq = self.inv_freq.to(input_ids.device)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
@@ -595,10 +605,11 @@ class Transformer(nn.Module):
             # an empty list per layer: FSDP rebuilds containers that hold tensors needing grad before a block runs,
             # and a recompute's appends land in it, not in the caller's list
             mine = None if router_loads is None else []
+            args = (x, cos, sin, batch, kv_cache, mine, None if routed_experts is None else routed_experts[:, :, i])
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, batch, kv_cache, mine, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, batch, kv_cache, mine)
+                x = layer(*args)
             if mine is not None:
                 router_loads.extend(mine)
         h = self.model.norm(x)

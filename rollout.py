@@ -46,6 +46,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" (a stop token was sampled) or "length" (max_tokens)
+    routed_experts: torch.Tensor | None = None  # [prompt + response - 1 tokens, layers, top_k]: vLLM's MoE routing
 
 
 # -----------------------------------------------------------------------------
@@ -408,8 +409,13 @@ class VLLMEngine:
         for o in outs:
             c = o.outputs[0]
             logp = _sampled_logprobs(c.logprobs) if params.logprobs else None
+            routed = getattr(c, "routed_experts", None)  # with enable_return_routed_experts (router replay)
+            if routed is not None and not routed.any():  # top-k ids are distinct, so a recorded row is never all 0
+                raise RuntimeError("vLLM returned no routing (all expert ids 0): its MoE kernel does not record it; "
+                                   "use the Triton MoE backend, or router_replay=False")
             flat.append(Completion(token_ids=list(c.token_ids), logprobs=logp,
-                                   finish_reason="stop" if c.finish_reason == "stop" else "length"))
+                                   finish_reason="stop" if c.finish_reason == "stop" else "length",
+                                   routed_experts=None if routed is None else torch.from_numpy(routed)))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
 

@@ -88,6 +88,7 @@ class Config:
     norm_adv_by_std: bool = True  # GRPO: divide by group std; False = Dr.GRPO
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
     router_aux_loss: bool = False  # MoE: add the router's load-balancing loss x router_aux_loss_coef (config.json)
+    router_replay: bool = False  # MoE + vLLM: the trainer's forwards route each token to the experts vLLM chose
     # KL (a reference model is built only when one of these is on)
     use_kl_loss: bool = False  # add kl_loss_coef * KL(policy || ref) to the loss (GRPO)
     kl_loss_coef: float = 0.001
@@ -317,6 +318,7 @@ class Trajectories:
     ref_logp: torch.Tensor | None = None
     adv: torch.Tensor | None = None
     response_texts: list[str] | None = None  # decoded responses, as scored
+    routed_experts: list | None = None  # router replay: per trajectory [prompt + response - 1, layers, top_k]
 
     def __len__(self):
         return len(self.response_ids)
@@ -386,7 +388,8 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
         response_mask=mask, finish_reasons=[c.finish_reason for _, c in comps],
         data_sources=[p["data_source"] for p, _ in comps],
         acc=torch.tensor([float(r["acc"]) for r in results]), score=score,
-        seq_reward=score + torch.tensor(overlong), response_texts=texts, versions=torch.full((len(comps),), version))
+        seq_reward=score + torch.tensor(overlong), response_texts=texts, versions=torch.full((len(comps),), version),
+        routed_experts=[c.routed_experts for _, c in comps] if cfg.router_replay else None)
     return traj, counts
 
 
@@ -636,8 +639,13 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
     device = model.output_weight.device
     ids, pos, batch = pack_sequences([s[:-1] for s in seqs], device)
     targets = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
-    logp, ent = model(ids, pos, batch, target_ids=targets, temperature=cfg.temperature,
-                      with_entropy=with_entropy, logprob_chunk=cfg.logprob_chunk, router_loads=router_loads)
+    routed = None
+    if traj.routed_experts is not None:  # row t of a trajectory: the experts the engine sent its input token t to
+        routed = torch.cat([traj.routed_experts[i] for i in idx]).to(device)[None]
+        if routed.shape[1] != ids.shape[1]:
+            raise RuntimeError(f"router replay: {routed.shape[1]} routed tokens for {ids.shape[1]} input tokens")
+    logp, ent = model(ids, pos, batch, target_ids=targets, temperature=cfg.temperature, with_entropy=with_entropy,
+                      logprob_chunk=cfg.logprob_chunk, router_loads=router_loads, routed_experts=routed)
     # response token j of sequence i is target (len(prompt) - 1 + j) of its packed document
     R = traj.response_mask.shape[1]
     starts = batch.cu_seqlens[:-1].long() + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device)
@@ -960,7 +968,8 @@ def setup(cfg: Config) -> Run:
                             max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
                             enable_chunked_prefill=cfg.enable_chunked_prefill,
                             max_num_batched_tokens=cfg.max_num_batched_tokens or None, seed=cfg.seed,
-                            dtype=cfg.dtype, engine_kwargs=cfg.vllm_kwargs)
+                            dtype=cfg.dtype, engine_kwargs=dict(cfg.vllm_kwargs, enable_return_routed_experts=True)
+                            if cfg.router_replay else cfg.vllm_kwargs)
         log(f"rollout engine: vLLM, {dims.world_size // gen_tp} engine(s) of TP {gen_tp}, started in "
             f"{time.perf_counter() - t0:.0f} s; {engine.awake_bytes / 2**30:.1f} GiB each while awake")
 
@@ -1411,6 +1420,8 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
     dp = world_size // (cfg.tp_size * cfg.sp_size)
     need((M * G) % dp == 0, f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over "
                             f"{dp} data-parallel ranks (world_size / (tp_size * sp_size))")
+    need(not cfg.router_replay or cfg.rollout_engine == "vllm", "router_replay=True replays the routing vLLM records "
+         "(enable_return_routed_experts): set rollout_engine='vllm'")
     cpu = (parallel.device_type() if cfg.device == "auto" else cfg.device) == "cpu"
     need(not cfg.compile or world_size > 1 or not cpu, "compile=True compiles the sharded policy (a GPU, or torchrun "
          "ranks); one CPU process trains a plain module that the built-in engine decodes with: set compile=False")
@@ -1465,8 +1476,9 @@ def validate_model_dir(cfg: Config, world_size: int):
         tok.check_chat_template(cfg.chat_template_kwargs)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConfigError(f"model_path={cfg.model_path!r}: {e}") from None
-    if cfg.router_aux_loss and not model_cfg.num_experts:
-        raise ConfigError(f"router_aux_loss=True but {cfg.model_path} is not a mixture-of-experts model; remove it")
+    for knob in ("router_aux_loss", "router_replay"):
+        if getattr(cfg, knob) and not model_cfg.num_experts:
+            raise ConfigError(f"{knob}=True but {cfg.model_path} is not a mixture-of-experts model; remove it")
     context = cfg.max_prompt_length + cfg.max_response_length
     if context > model_cfg.max_position_embeddings:
         raise ConfigError(f"max_prompt_length + max_response_length = {context} exceeds the model's context, "

@@ -88,9 +88,28 @@ class LLM:
             logprobs = SimpleNamespace(start_indices=list(range(len(c.logprobs))),
                                        end_indices=list(range(1, len(c.logprobs) + 1)),
                                        token_ids=list(c.token_ids), logprobs=list(c.logprobs))
+            routed = self._routing(req["prompt_token_ids"] + list(c.token_ids)[:-1]) \
+                if self.kwargs.get("enable_return_routed_experts") else None
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(c.token_ids), logprobs=logprobs,
-                                                                 finish_reason=c.finish_reason)]))
+                                                                 finish_reason=c.finish_reason,
+                                                                 routed_experts=routed)]))
         return outs
+
+    def _routing(self, tokens):
+        """vLLM's routed_experts: uint8 numpy [tokens fed to the model, all layers, top_k], each MoE layer's top-k
+        ids by probability (dense layers 0): one row per token forwarded, so the last sampled token has none."""
+        cfg = self.model.config
+        out = torch.zeros(len(tokens), cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.uint8)
+        def record(i, logits):  # returns None: a forward hook's return value would replace the router's logits
+            out[:, i] = logits.float().softmax(-1).topk(out.shape[2]).indices
+
+        hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, logits, i=i: record(i, logits))
+                 for i, layer in enumerate(self.model.model.layers) if isinstance(layer.mlp, M.MoE)]
+        with torch.no_grad():
+            self.model(torch.tensor([tokens]))
+        for h in hooks:
+            h.remove()
+        return out.numpy()
 
 
 def install(monkeypatch, free_bytes=lambda: 8 * 2**30):

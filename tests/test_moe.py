@@ -182,3 +182,28 @@ def test_fsdp_sharded_expert_stacks_load_their_rows(tmp_path):
         assert torch.equal(got["full"][name], p.detach()), name
     assert torch.equal(got["local_rank0"]["model.layers.0.mlp.experts.down_proj"],
                        ref.model.layers[0].mlp.experts.down_proj.detach()[:3])
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_router_replay_uses_the_given_experts_weighted_by_this_router(norm_topk_prob):
+    """A MoE layer told each token's experts computes sum_j w_j expert_{e_j}(x), w = softmax(router logits)[e_j]
+    (renormalised over the k when norm_topk_prob), by hand in float64; its own top-k reproduces the forward."""
+    cfg = M.ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=16, hidden_size=8, intermediate_size=16,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=6, norm_topk_prob=norm_topk_prob)
+    moe = M.MoE(cfg).double()
+    torch.nn.init.normal_(moe.experts.gate_up_proj, std=0.5)
+    torch.nn.init.normal_(moe.experts.down_proj, std=0.5)
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    routed = torch.tensor([[[3, 0], [1, 2], [2, 1], [0, 3], [3, 1]]], dtype=torch.uint8)
+    got = moe(x, routed=routed)[0]
+    probs = torch.softmax(x[0] @ moe.gate.weight.t(), -1)
+    w13, w2 = moe.experts.gate_up_proj, moe.experts.down_proj
+    for t in range(5):
+        es = routed[0, t].long()
+        w = probs[t, es] / (probs[t, es].sum() if norm_topk_prob else 1)
+        want = sum(w[j] * w2[e] @ (torch.nn.functional.silu(w13[e, :6] @ x[0, t]) * (w13[e, 6:] @ x[0, t]))
+                   for j, e in enumerate(es))
+        assert torch.allclose(got[t], want, atol=1e-12)
+    own = torch.softmax(moe.gate(x).float(), -1).topk(2).indices
+    assert torch.allclose(moe(x, routed=own), moe(x), atol=1e-12)

@@ -116,3 +116,52 @@ def test_vllm_check_writes_and_passes_on_a_random_moe_against_the_fake(monkeypat
                                         "tokenizer.json", "tokenizer_config.json"]
     results = json.loads(out.read_text())
     assert all(r["pass"] for k, r in results.items() if k != "figures") and len(results) == 7
+
+
+def replay_traj(prompts, comps, routed):
+    import train_dapo as T
+    R_ = max(len(c.token_ids) for c in comps)
+    mask = torch.zeros(len(comps), R_)
+    for i, c in enumerate(comps):
+        mask[i, :len(c.token_ids)] = 1
+    return T.Trajectories(prompt_ids=prompts, response_ids=[c.token_ids for c in comps], group_ids=torch.zeros(1),
+                          rollout_logp=None, response_mask=mask, finish_reasons=[], data_sources=[], acc=None,
+                          score=None, seq_reward=None, routed_experts=routed)
+
+
+def test_router_replay_routes_the_trainers_forward_as_the_engine_did(monkeypatch, moe_dir):
+    """vLLM's routed_experts (one row per token fed to the model: prompt + response - 1) align with the packed
+    inputs: replaying the engine's routing gives the log-probs of the engine's own forward (here one unpacked
+    sequence at a time, whose rounding can flip a near-tie that the packed forward decides otherwise); another
+    routing changes them; the router still gets gradients through the weights of the replayed experts."""
+    import train_dapo as T
+    fake_vllm.install(monkeypatch)
+    trainer = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    engine = R.VLLMEngine(moe_dir, max_model_len=64, engine_kwargs={"enable_return_routed_experts": True})
+    assert engine.llm.kwargs["enable_return_routed_experts"] is True
+    engine.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=0)
+    params = R.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5)
+    out = engine.generate(PROMPTS, params, version=0)
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    comps = [c for cs in out for c in cs]
+    for p, c in zip(prompts, comps):
+        assert c.routed_experts.dtype == torch.uint8 and c.routed_experts.shape == (len(p) + len(c.token_ids) - 1, 2, 2)
+    cfg = T.Config(max_response_length=8, temperature=1.0)
+    idx = list(range(len(comps)))
+    plain, _ = T.sequence_logprobs(trainer, replay_traj(prompts, comps, None), idx, cfg, with_entropy=False)
+    routed = [c.routed_experts for c in comps]
+    replayed, _ = T.sequence_logprobs(trainer, replay_traj(prompts, comps, routed), idx, cfg, with_entropy=False)
+    with torch.no_grad():
+        for i, (p, c) in enumerate(zip(prompts, comps)):  # the engine's forward: this sequence alone, padded path
+            seq = torch.tensor([p + c.token_ids])
+            want = torch.log_softmax(trainer(seq[:, :-1])[0], -1)[len(p) - 1:].gather(-1, seq[0, len(p):, None])[:, 0]
+            assert torch.allclose(replayed[i, :len(c.token_ids)], want, atol=1e-5)
+    other = [(r.long() + 1) % 6 for r in routed]  # still two distinct experts per token
+    changed, _ = T.sequence_logprobs(trainer, replay_traj(prompts, comps, other), idx, cfg, with_entropy=False)
+    assert (changed - plain).abs().max() > 1e-3
+    trainer.train()
+    logp, _ = T.sequence_logprobs(trainer, replay_traj(prompts, comps, other), idx, cfg, with_entropy=False)
+    logp.sum().backward()
+    assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in trainer.model.layers)
+    with pytest.raises(RuntimeError, match="3 routed tokens for"):  # rows that do not cover the inputs
+        T.sequence_logprobs(trainer, replay_traj(prompts[:1], comps[:1], [routed[0][:3]]), [0], cfg, False)

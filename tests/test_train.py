@@ -59,6 +59,7 @@ def test_config_errors_name_the_key(args, msg):
     (dict(n=0), "n=0 must be > 0"),
     (dict(sp_size=2), "sp_size=2 x tp_size=1 = 2 must divide the world size 1"),
     (dict(compile=True, device="cpu"), "compile=True compiles the sharded policy"),
+    (dict(router_replay=True), "router_replay=True replays the routing vLLM records"),
 ])
 def test_cross_field_validation(over, msg):
     with pytest.raises(T.ConfigError, match=msg):
@@ -87,6 +88,9 @@ def test_file_checks(tiny_dir, tmp_path):
         T.validate(T.Config(**{**base, "max_response_length": 257}))
     with pytest.raises(T.ConfigError, match="no config.json"):
         T.validate(T.Config(**{**base, "model_path": str(tmp_path)}))
+    for knob in ("router_aux_loss", "router_replay"):  # MoE knobs on a dense model
+        with pytest.raises(T.ConfigError, match=f"{knob}=True but .* is not a mixture-of-experts model"):
+            T.validate(T.Config(**{**base, knob: True, "rollout_engine": "vllm"}))
     import data
     with pytest.raises(data.DataError, match="missing.parquet"):
         T.validate(T.Config(**{**base, "train_files": [str(tmp_path / "missing.parquet")]}))
