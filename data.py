@@ -31,7 +31,6 @@ class DataError(ValueError):
 
 
 def required_columns(prompt_key):
-    """The columns every file needs, with the prompt column named by prompt_key."""
     return ["data_source", prompt_key, "reward_model"]
 
 # -----------------------------------------------------------------------------
@@ -44,8 +43,7 @@ def check_parquet_schema(files, prompt_key="prompt"):
     total = 0
     for f in files:
         if not os.path.isfile(f):
-            raise DataError(f"data file not found: {f}; check the path (relative paths are "
-                            f"relative to {os.getcwd()})")
+            raise DataError(f"data file not found: {f}; check the path (relative paths are relative to {os.getcwd()})")
         try:
             pf = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
@@ -108,14 +106,8 @@ def truncate(ids, max_len, mode):
     """Cut a prompt to max_len tokens: left keeps the end, right the start, middle both ends."""
     if len(ids) <= max_len:
         return ids
-    if mode == "left":
-        return ids[-max_len:]
-    if mode == "right":
-        return ids[:max_len]
-    if mode == "middle":
-        head = max_len // 2
-        return ids[:head] + ids[len(ids) - (max_len - head):]
-    raise DataError(f"unknown truncation mode {mode!r}; use one of {TRUNCATION_MODES}")
+    head = {"left": 0, "middle": max_len // 2, "right": max_len}[mode]  # load_prompts checked the mode
+    return ids[:head] + ids[len(ids) - (max_len - head):]  # head tokens from the start, the rest from the end
 
 
 def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, truncation="error",
@@ -179,7 +171,6 @@ def write_parquet(rows, path):
 
 class PromptSampler:
     """Prompt indices in a fresh deterministic permutation each epoch; resumes exactly from a state dict."""
-
     def __init__(self, num_prompts, seed, shuffle=True):
         if num_prompts < 1:
             raise DataError(f"PromptSampler needs at least one prompt, got num_prompts={num_prompts}")
@@ -188,10 +179,8 @@ class PromptSampler:
 
     def _start(self, epoch, position):
         self.epoch, self.position = epoch, position
-        if self.shuffle:  # seeded by (seed, epoch) so any epoch's order can be rebuilt on resume
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
-        else:
-            self._perm = np.arange(self.num_prompts)
+        rng = np.random.default_rng([self.seed, epoch])  # so any epoch's order can be rebuilt on resume
+        self._perm = rng.permutation(self.num_prompts) if self.shuffle else np.arange(self.num_prompts)
 
     @property
     def consumed(self):
@@ -208,8 +197,7 @@ class PromptSampler:
         return out
 
     def state_dict(self):
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_prompts": self.num_prompts}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_prompts": self.num_prompts}
 
     def load_state_dict(self, d):
         if d["num_prompts"] != self.num_prompts:
@@ -228,13 +216,11 @@ def balanced_micro_batches(lengths, max_token_len, min_num_micro_batches=1):
     out-of-memory shows up on the first one."""
     for i, n in enumerate(lengths):
         if n > max_token_len:
-            raise DataError(
-                f"sequence {i} has {n} tokens but the micro-batch token budget is {max_token_len}; set "
-                f"ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu >= "
-                f"max_prompt_length + max_response_length")
+            raise DataError(f"sequence {i} has {n} tokens but the micro-batch token budget is {max_token_len}; "
+                            "set ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu >= max_prompt_length + "
+                            "max_response_length")
     if min_num_micro_batches > len(lengths):
-        raise DataError(f"cannot make {min_num_micro_batches} non-empty micro-batches "
-                        f"from {len(lengths)} sequences")
+        raise DataError(f"cannot make {min_num_micro_batches} non-empty micro-batches from {len(lengths)} sequences")
     if not lengths:
         return []
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -248,14 +234,12 @@ def balanced_micro_batches(lengths, max_token_len, min_num_micro_batches=1):
             bins[b].append(i)
             loads[b] += lengths[i]
         else:
-            bins = [sorted(b) for b in bins]
-            return sorted(bins, key=lambda b: (-sum(lengths[i] for i in b), b[0]))
+            return sorted((sorted(b) for b in bins), key=lambda b: (-sum(lengths[i] for i in b), b[0]))
         k += 1  # terminates: with one sequence per micro-batch everything fits
 
 
 # -----------------------------------------------------------------------------
 # tokenizer + chat template (tokenizers and jinja2; renders like transformers' apply_chat_template)
-
 
 def _read_json(path):
     """A model directory's JSON file as a dict; {} when the file is absent."""
@@ -272,8 +256,7 @@ def _eos_token_ids(tok, eos_token, generation_config, config):
     """Generation stops at the tokenizer's eos_token plus generation_config.json's eos_token_id (an id or a list);
     without the latter, config.json's (as transformers' GenerationConfig.from_model_config). Unique, in order."""
     extra = generation_config.get("eos_token_id")
-    if extra is None:
-        extra = config.get("eos_token_id")
+    extra = config.get("eos_token_id") if extra is None else extra
     extra = extra if isinstance(extra, list) else [extra]
     eos = tok.token_to_id(eos_token) if eos_token is not None else None
     return list(dict.fromkeys(i for i in [eos, *extra] if i is not None))
@@ -287,15 +270,13 @@ def _template_line(e):
 
 class Tokenizer:
     """A tokenizers.Tokenizer with the special tokens, stop ids and chat template of a model directory."""
-
     def __init__(self, tok, chat_template: str | None, special: dict, eos_token_ids: list[int],
                  chat_template_file: str = "the chat template"):
         self.tok = tok  # tokenizers.Tokenizer
-        self.chat_template = chat_template
+        self.chat_template, self._template = chat_template, None  # compiled on first use
         self.chat_template_file = chat_template_file  # where the template came from, for error messages
         self.special = special  # bos_token, eos_token, pad_token, unk_token -> str
         self.eos_token_ids = eos_token_ids
-        self._template = None
 
     @classmethod
     def from_pretrained(cls, path: str) -> "Tokenizer":
@@ -351,8 +332,7 @@ class Tokenizer:
                 raise DataError(f"{self.chat_template_file} has a Jinja syntax error at template line "
                                 f"{e.lineno}: {e.message}; fix the template there") from None
         ctx = {k: v for k, v in self.special.items() if v is not None}
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **ctx, **kwargs)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **ctx, **kwargs)
         return self.encode(text) if tokenize else text
 
     def check_chat_template(self, chat_template_kwargs: dict | None = None):
@@ -372,9 +352,7 @@ class Tokenizer:
 
 
 def _compile_template(source: str):
-    """The same jinja environment transformers uses: sandboxed, trim_blocks, lstrip_blocks,
-    loop controls, a non-escaping tojson, raise_exception and strftime_now."""
-
+    """The jinja environment of transformers' apply_chat_template, so templates render the same."""
     def raise_exception(message):
         raise TemplateError(message)
 

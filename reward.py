@@ -6,6 +6,7 @@ a file, DAPO's overlong penalty, and a process pool that scores a batch with a p
     reward_fn = "path/to/file.py:function_name"           # config: a custom function, same signature
 """
 
+import contextlib
 import ctypes
 import importlib.util
 import math
@@ -53,9 +54,8 @@ def normalize_final_answer(final_answer: str) -> str:
     for expr in REMOVED_EXPRESSIONS:
         s = s.replace(expr, "")
     s = re.sub(r".*?\$(.*?)\$.*", r"$\1$", s)  # keep the first $...$ span of a line
-    s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
-    s = re.sub(r"\\textbf\{(.*?)\}", r"\1", s)
-    s = re.sub(r"\\overline\{(.*?)\}", r"\1", s)
+    for command in ("text", "textbf", "overline"):  # \text{x} -> x, in verl's order
+        s = re.sub(r"\\" + command + r"\{(.*?)\}", r"\1", s)
     s = re.sub(r"\\boxed\{(.*)\}", r"\1", s)
     s = re.sub(r"frac([^{])(.)", r"frac{\1}{\2}", s)  # \fracab -> \frac{a}{b}, \fracabc -> \frac{a}{b}c
     s = re.sub(r"sqrt([^{])", r"sqrt{\1}", s)  # \sqrta -> \sqrt{a}, \sqrtab -> \sqrt{a}b
@@ -218,16 +218,14 @@ def normalize_result(result, fn_name: str) -> dict:
     return {"score": float(score), "acc": bool(acc), "pred": out.get("pred")}
 
 
-def overlong_penalty(response_length: int, max_response_length: int, buffer_len: int,
-                     penalty_factor: float) -> float:
+def overlong_penalty(response_length: int, max_response_length: int, buffer_len: int, penalty_factor: float) -> float:
     """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then linear down to -factor at max."""
     if buffer_len <= 0:
         raise ValueError(f"overlong_buffer_len={buffer_len} must be > 0 (or disable the overlong buffer)")
     if buffer_len > max_response_length:
         raise ValueError(f"overlong_buffer_len={buffer_len} is larger than max_response_length="
                          f"{max_response_length}; the penalty must start at a non-negative length")
-    expected = max_response_length - buffer_len
-    exceed = response_length - expected
+    exceed = response_length - (max_response_length - buffer_len)  # < 0 before the buffer starts
     return min(-exceed / buffer_len * penalty_factor, 0.0)
 
 
@@ -273,10 +271,8 @@ def _worker_main(fd: int, spec: str | None, parent_pid: int) -> None:
     # die with the trainer even when it is SIGKILLed: Linux's parent-death signal, plus a watchdog thread for
     # systems without prctl and for a parent that died before prctl ran
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # no libc symbols to load (static or unusual builds)
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):  # no libc symbols to load (static or unusual builds)
-            pass
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = multiprocessing.connection.Connection(fd)
     fn, fn_name = load_reward_fn(spec), spec or "compute_score"
@@ -293,7 +289,6 @@ def _worker_main(fd: int, spec: str | None, parent_pid: int) -> None:
 class _Worker:
     """One scoring process: a fresh interpreter (not multiprocessing.spawn, which would re-import the
     trainer script and torch) that imports only this file and the reward function."""
-
     def __init__(self, spec: str | None):
         parent, child = multiprocessing.Pipe()
         here = os.path.dirname(os.path.abspath(__file__))
@@ -317,7 +312,6 @@ class _Worker:
 
 class _Call:
     """One score() call: results in input order, the failure counts, and why each error happened."""
-
     def __init__(self, items: list):
         self.items, self.results = items, [None] * len(items)
         self.stats = {"num_timeouts": 0, "num_errors": 0}
@@ -335,7 +329,6 @@ class RewardScorer:
     response that hangs (a pathological regex, a stuck custom function) is killed after timeout_s and one that
     crashes its worker costs only that response. num_workers=0 scores inline: no timeout, but a debugger
     works. Create it on a thread that outlives it: Linux's parent-death signal follows the creating thread."""
-
     def __init__(self, reward_fn: str | None = None, num_workers: int = 4, timeout_s: float = 10.0):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 scores inline, "
@@ -426,8 +419,7 @@ class RewardScorer:
         w.deadline = time.monotonic() + self.timeout_s  # the next response's clock starts now
 
     def _replace(self, w: _Worker, call: _Call, todo: deque, counter: str | None, why: str | None = None) -> None:
-        """Stop a stuck or dead worker, fail its current response under counter (if any), requeue the rest
-        of its chunk, and start a new worker in its place."""
+        """Stop a stuck or dead worker, fail its current response under counter, requeue the rest of its chunk."""
         w.stop()
         if counter is not None and w.chunk:
             call.fail(w.chunk.popleft(), counter, why)
