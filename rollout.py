@@ -338,7 +338,8 @@ class VLLMEngine:
         if max_num_batched_tokens:
             kw["max_num_batched_tokens"] = max_num_batched_tokens
         kw.update(engine_kwargs or {})
-        limit = load_config(model_path).max_position_embeddings  # vLLM refuses more: say so before it starts
+        config = load_config(model_path)
+        limit, self.moe = config.max_position_embeddings, config.num_experts > 0  # vLLM refuses a longer context
         if kw["max_model_len"] > limit:
             raise ValueError(f"max_model_len={kw['max_model_len']} (max_prompt_length + max_response_length) is above "
                              f"max_position_embeddings={limit} in {os.path.join(model_path, 'config.json')}: lower "
@@ -371,15 +372,20 @@ class VLLMEngine:
         self.awake.update(tags)
 
     def load_weights(self, buckets, version: int) -> int:
-        """Feed buckets of (name, full tensor) to vLLM's load_weights in HF's names (hf_tensors: views, no copy);
-        vLLM fuses and slices them itself; each bucket is dropped once loaded. -> bytes pushed."""
+        """Stream buckets of (name, full tensor) into vLLM in HF's names (hf_tensors: views, no copy), one bucket
+        alive at a time; vLLM fuses and slices them itself. A MoE goes through vLLM's layerwise reload
+        (model_runner.reload_weights), which redoes the expert layouts some MoE kernels build after loading; raw
+        load_weights would leave those stale. -> bytes pushed."""
         self.wake_up(["weights"])
         nbytes = 0
-        for bucket in buckets:
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            hf = [pair for name, t in bucket for pair in hf_tensors(name, t)]
-            self.llm.collective_rpc(lambda worker, b=hf: worker.model_runner.model.load_weights(iter(b)))
-            del bucket, hf
+
+        def stream():
+            nonlocal nbytes
+            for bucket in buckets:
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield from (pair for name, t in bucket for pair in hf_tensors(name, t))
+        self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=stream())
+                                if self.moe else worker.model_runner.model.load_weights(stream()))
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
         self.weights_version = version
         return nbytes

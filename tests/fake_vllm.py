@@ -56,8 +56,14 @@ class LLM:
         self.calls.append(("reset_prefix_cache",))
 
     def collective_rpc(self, fn):
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=self._load)))
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=self._load),
+                                                              reload_weights=self._reload))
         return [fn(worker)]
+
+    def _reload(self, weights_iterator):
+        """vLLM's layerwise reload: the same names as load_weights, with the kernels' weight processing redone."""
+        self.calls.append(("reload",))
+        self._load(weights_iterator)
 
     def _load(self, weights):
         assert "weights" in self.awake, "load_weights while the weights are asleep"

@@ -56,6 +56,7 @@ def test_vllm_push_gives_the_engine_the_trainers_experts_as_hf_views(monkeypatch
     llm = engine.llm
     engine.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=0)
 
+    assert ("reload",) in llm.calls  # a MoE goes through vLLM's layerwise reload
     names = [n for n, _ in received]
     assert len(names) == len(set(names))
     assert {n for n in names if ".experts." in n} == hf_expert_names(2, 6)  # 2 layers x 6 experts x 3
