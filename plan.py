@@ -3,6 +3,7 @@ The --dry_run memory planner: per-GPU bytes of a train_dapo run from its Config 
 either rollout engine (the built-in torch engine or vLLM), before any GPU is touched. memory_plan computes the
 terms, format_memory_plan prints them side by side for several GPU sizes.
 """
+import dataclasses
 import math
 
 import parallel
@@ -30,8 +31,14 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
                 engine: str = "torch") -> dict:
     """Estimate per-GPU memory of a run of train_dapo.train(cfg) (cfg: a Config, model_cfg: a ModelConfig) on
     world_size GPUs of gpu_gib GiB -> {"gib": {term: GiB}, "phase": {term: phase}, "host_gib", "training_gib",
-    "generation_gib", "peak_gib", "verdict", "largest", "knob", "notes", ...}; peak = resident + max(training,
-    generation). README.md "The memory plan" states each term's formula. A bad mesh raises ValueError."""
+    "generation_gib", "peak_gib", "verdict", "largest", "knob", "notes", "gradient_checkpointing", ...}; peak =
+    resident + max(training, generation). README.md "The memory plan" states each term's formula. A bad mesh raises
+    ValueError. gradient_checkpointing="auto" is planned off where the peak without it is within 85% of the GPU
+    (headroom for what the plan does not see), else on."""
+    if cfg.gradient_checkpointing == "auto":
+        off = memory_plan(dataclasses.replace(cfg, gradient_checkpointing=False), model_cfg, world_size, gpu_gib,
+                          runtime_gib, engine)
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=off["peak_gib"] > 0.85 * gpu_gib)
     m = model_cfg
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
     dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads, ep_size=ep,
@@ -118,7 +125,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib, "resident_gib": total["resident"],
             "training_gib": total["training"], "generation_gib": total["generation"], "peak_gib": peak,
             "peak_phase": peak_phase, "verdict": "fits" if fits else "does not fit", "largest": largest,
-            "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes}
+            "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
+            "gradient_checkpointing": cfg.gradient_checkpointing}
 
 
 def _memory_knob(term: str, cfg, moe: bool = False) -> str:
@@ -173,6 +181,7 @@ def format_memory_plan(plans: list[dict]) -> str:
                        ("training_gib", "training phase"), ("generation_gib", "generation phase"),
                        ("peak_gib", "peak = resident + max(phases)")):
         out.append(f"  {'':11}{label:38}" + cols(f"{p[key]:.2f}" for p in plans))
+    out.append(f"  {'':11}{'gradient_checkpointing':38}" + cols(str(p["gradient_checkpointing"]) for p in plans))
     out.append(f"  {'':11}{'verdict':38}" + cols(p["verdict"] for p in plans))
     for p in plans:
         if p["knob"]:

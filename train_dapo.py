@@ -115,7 +115,7 @@ class Config:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0  # max global grad norm (> 0; float("inf") = no clipping); a non-finite norm skips the update
-    gradient_checkpointing: bool = True  # activation checkpointing per decoder block
+    gradient_checkpointing: bool | str = True  # per decoder block; "auto": off where the memory plan fits without it
     logprob_chunk: int = 1024  # tokens per chunk of the fp32 log-prob/entropy computation
     # sampling
     temperature: float = 1.0
@@ -980,7 +980,14 @@ def setup(cfg: Config) -> Run:
                                             offload=cfg.param_offload or cfg.optimizer_offload,
                                             compile=cfg.compile)) if sharded else None
     model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
+    ckpt = cfg.gradient_checkpointing
+    if ckpt == "auto":  # the memory plan's choice for this GPU; on a CPU checkpointing stays on
+        gpu_gib = 0 if dims.device.type == "cpu" else \
+            torch.get_device_module(dims.device.type).get_device_properties(dims.device).total_memory / 2**30
+        ckpt = not gpu_gib or plan.memory_plan(cfg, model.config, dims.world_size, gpu_gib,
+                                               engine=engine_kind)["gradient_checkpointing"]
+        log(f"gradient_checkpointing='auto' on {gpu_gib:.0f} GiB GPUs: {ckpt}")
+    model.gradient_checkpointing = ckpt
     ref_model = None
     if cfg.use_kl_loss or cfg.use_kl_in_reward:
         ref_model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
@@ -1344,9 +1351,7 @@ def parse_args(argv: list[str]) -> tuple[Config, dict]:
 
 
 def world_size_for(cfg: Config) -> int:
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return cfg.nnodes * cfg.n_gpus_per_node
+    return int(os.environ.get("WORLD_SIZE", cfg.nnodes * cfg.n_gpus_per_node))
 
 
 # the allowed range of every numeric knob: (test, what the message says is allowed)
@@ -1382,7 +1387,8 @@ KNOB_RANGES = {
 CHOICES = {"loss_agg_mode": AGG_MODES, "kl_loss_type": KL_TYPES, "kl_penalty": KL_TYPES,
            "filter_groups_metric": FILTER_METRICS, "truncation": data.TRUNCATION_MODES,
            "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch", "vllm"),
-           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32")}
+           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32"),
+           "gradient_checkpointing": (True, False, "auto")}
 LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -1397,7 +1403,7 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
         v = getattr(cfg, k)
         need(ok(v) and (not isinstance(v, float) or not math.isnan(v)), f"{k}={v!r} must be {allowed}")
     for k, allowed in CHOICES.items():
-        need(getattr(cfg, k) in allowed, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(allowed)}")
+        need(getattr(cfg, k) in allowed, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(map(str, allowed))}")
     for lg in cfg.logger:
         need(lg in LOGGERS, f"logger {lg!r}; choose from {', '.join(LOGGERS)}")
         need(LOGGERS[lg] is None or importlib.util.find_spec(LOGGERS[lg]) is not None,

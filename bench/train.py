@@ -44,7 +44,7 @@ p.add_argument("--repeats", type=int, default=4)
 p.add_argument("--rows", default="update,update_autocast,bare,bare_bf16,hf,hf_bf16",
                help="comma list: update (nanodapo update_policy as the trainer runs it: FSDP2 on a mesh of one, bf16 "
                     "compute), update_fused_adam (the same, AdamW fused=True), update_compiled (the same, each block "
-                    "torch.compile'd), update_autocast (a plain fp32 module under bf16 autocast), bare (nanodapo, "
+                    "torch.compile'd), update_compiled_nockpt (compiled, no activation checkpointing), update_autocast (a plain fp32 module under bf16 autocast), bare (nanodapo, "
                     "autocast), bare_bf16, hf (transformers, autocast), hf_bf16")
 p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
 p.add_argument("--seed", type=int, default=0)
@@ -332,9 +332,11 @@ def trainer_model(compile=False):
 
 for row, name, kw in (("update", "nanodapo update_policy", {}),
                       ("update_fused_adam", "nanodapo update fused AdamW", {"fused": True}),
-                      ("update_compiled", "nanodapo update compiled", {"compile": True})):
+                      ("update_compiled", "nanodapo update compiled", {"compile": True}),
+                      ("update_compiled_nockpt", "nanodapo update compiled, no ckpt", {"compile": True, "ckpt": False})):
     if row in rows:
         m = trainer_model(compile=kw.get("compile", False))
+        m.gradient_checkpointing = kw.get("ckpt", True)  # off: HFU below still counts a recompute that does not run
         update_row(name, "FSDP2 bf16 compute, fp32 master" + (", compiled" if "compile" in kw else ""), m,
                    fused=kw.get("fused"))
         del m

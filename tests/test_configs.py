@@ -284,3 +284,15 @@ def test_qwen3_235b_recipe_plan():
     assert big["verdict"] == "fits" and big["host_gib"] > 0  # params, grads and AdamW states on the host
     assert any("fewer than n=16" in note for note in small["notes"])
     assert not any("fewer than n" in note for note in big["notes"])
+
+
+def test_gradient_checkpointing_auto_is_off_only_where_the_plan_without_it_fits_in_85_percent():
+    mc = tiny_model()
+    off = plan.memory_plan(tiny_cfg(gradient_checkpointing=False), mc, 8, gpu_gib=80, runtime_gib=0)
+    on = plan.memory_plan(tiny_cfg(gradient_checkpointing=True), mc, 8, gpu_gib=80, runtime_gib=0)
+    assert off["peak_gib"] > on["peak_gib"]  # the built-in engine's terms do not depend on the GPU size
+    roomy = plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, off["peak_gib"] / 0.80, runtime_gib=0)
+    tight = plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, off["peak_gib"] / 0.90, runtime_gib=0)
+    assert roomy["gradient_checkpointing"] is False and roomy["gib"] == off["gib"]
+    assert tight["gradient_checkpointing"] is True and tight["gib"] == on["gib"]
+    assert "gradient_checkpointing" in plan.format_memory_plan([roomy, tight])
