@@ -10,8 +10,9 @@
   update_one            the same on one rank with a mesh of one (FSDP over one device, as on one GPU)
   bf16_one              a mesh of one computing in bf16 over fp32 master weights: one forward + backward
   save | load           a train_dapo-style checkpoint written / read at this world size
-  ep2 | ep4 | ep2_fsdp | moe_fsdp | moe_tp
-                        a tiny Qwen3-MoE: expert parallel over 2 or 4 ranks (ep2_fsdp: ep 2 on 4 ranks, experts
+  ep2 | ep4 | ep2_fsdp | moe_fsdp | moe_tp | ep2_compile
+                        a tiny Qwen3-MoE: expert parallel over 2 or 4 ranks (ep2_compile: ep2, blocks compiled;
+                        ep2_fsdp: ep 2 on 4 ranks, experts
                         FSDP-sharded over the other 2; moe_fsdp: FSDP only; moe_tp: TP 2, experts replicated): one
                         forward + backward with the router aux loss (log-probs per document, losses, full
                         gradients), AdamW steps, then the full weights in HF names and the push's bucket sizes
@@ -127,7 +128,7 @@ def main(mode, ckpt_dir, out):
     dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp, ep=ep, mesh_of_one=mode.endswith("one"))
     dtype = torch.bfloat16 if mode == "bf16_one" else torch.float32  # compute dtype; master weights stay fp32
     shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
-        (lambda m: parallel.parallelize(m, dims, param_dtype=dtype, compile=mode == "sp_compile")) \
+        (lambda m: parallel.parallelize(m, dims, param_dtype=dtype, compile=mode.endswith("compile"))) \
         if dims.sharded else None
     model = M.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
     result = {}
@@ -135,7 +136,7 @@ def main(mode, ckpt_dir, out):
     if mode in ("fsdp", "tp", "fsdp_tp", "single"):
         result["losses"] = train_steps(model, opt, dims)
         result["dp_sum"] = parallel.sum_over_dp({"a": dims.dp_rank + 1.0, "b": 0.5}, dims)
-    elif mode in ("ep2", "ep4", "ep2_fsdp", "moe_fsdp", "moe_tp"):
+    elif mode in ("ep2", "ep4", "ep2_fsdp", "moe_fsdp", "moe_tp", "ep2_compile"):
         result.update(moe_run(model, opt, dims))
     elif mode == "bf16_one":
         result.update(forward_backward(model, dims))

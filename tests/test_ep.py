@@ -57,7 +57,8 @@ def test_the_batch_reaches_every_expert_and_leaves_some_rank_without_tokens(refe
     assert (routed == 0).any()
 
 
-@pytest.mark.parametrize("mode,nproc", [("ep2", 2), ("ep4", 4), ("ep2_fsdp", 4), ("moe_fsdp", 2), ("moe_tp", 2)])
+@pytest.mark.parametrize("mode,nproc", [("ep2", 2), ("ep4", 4), ("ep2_fsdp", 4), ("moe_fsdp", 2), ("moe_tp", 2),
+                                       ("ep2_compile", 2)])
 def test_moe_training_matches_single_process(moe_dir, reference, tmp_path, mode, nproc):
     torchrun(nproc, mode, moe_dir, tmp_path / "out.pt")
     got, ref = torch.load(tmp_path / "out.pt"), reference
