@@ -12,8 +12,8 @@
   save | load           a train_dapo-style checkpoint written / read at this world size
   ep2 | ep4 | ep2_fsdp | moe_fsdp | moe_tp | ep2_compile
                         a tiny Qwen3-MoE: expert parallel over 2 or 4 ranks (ep2_compile: ep2, blocks compiled;
-                        ep2_fsdp: ep 2 on 4 ranks, experts
-                        FSDP-sharded over the other 2; moe_fsdp: FSDP only; moe_tp: TP 2, experts replicated): one
+                        ep2_fsdp: ep 2 on 4 ranks, experts FSDP-sharded over the other 2; moe_fsdp: FSDP only;
+                        moe_tp: TP 2, experts replicated): one
                         forward + backward with the router aux loss (log-probs per document, losses, full
                         gradients), AdamW steps, then the full weights in HF names and the push's bucket sizes
 """
