@@ -93,7 +93,6 @@ def set_rng_state(state: dict, device: torch.device):
 # -----------------------------------------------------------------------------
 # process groups and the device mesh
 
-
 def check_mesh(world_size: int, tp_size: int, sp_size: int, num_attention_heads: int | None = None,
                num_key_value_heads: int | None = None, ep_size: int = 1, num_experts: int | None = None) -> int:
     """The mesh arithmetic, in one place: world = dp x sp x tp; TP splits the query and key/value heads, SP each
@@ -345,9 +344,8 @@ def apply_ep(model, ep_mesh):
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     for experts in expert_modules(model):
         for name in EXPERT_STACKS:  # src_data_rank=None: every rank slices its own rows (works on meta too)
-            p = getattr(experts, name)
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)],
-                                                                            src_data_rank=None)))
+            shard = distribute_tensor(getattr(experts, name).data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(shard))
         state = {}
 
         def dispatch(module, args, state=state):
@@ -394,21 +392,16 @@ def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.
     RoPE's cos/sin stay fp32, and a cast could give an activation-checkpoint recompute other dtypes."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-    units = []
-    if expert_mesh is not None:  # expert stacks first, their own units over efsdp, on dim 1 (EP splits dim 0)
-        for experts in expert_modules(model):
-            units.append(fully_shard(experts, mesh=expert_mesh["efsdp"], shard_placement_fn=lambda p: Shard(1), **kw))
-    for block in model.model.layers:
-        units.append(fully_shard(block, mesh=fsdp_mesh, **kw))
-    units.append(fully_shard(model, mesh=fsdp_mesh, **kw))
+    experts = expert_modules(model) if expert_mesh is not None else []  # first, over efsdp, on dim 1 (EP splits dim 0)
+    units = [fully_shard(m, mesh=expert_mesh["efsdp"], shard_placement_fn=lambda p: Shard(1), **kw) for m in experts]
+    units += [fully_shard(m, mesh=fsdp_mesh, **kw) for m in (*model.model.layers, model)]  # blocks, then the root
     for module in units:  # plain SUM collectives (gloo has no pre-multiplied sum)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False, compile: bool = False):
-    """Shard `model` for dims: TP, SP, EP, optionally compile each block, then FSDP2 over dims.fsdp_mesh (expert
-    stacks: over dims.expert_mesh["efsdp"])."""
+    """Shard `model` for dims: TP, SP, EP, optionally compile each block, then FSDP2 (apply_fsdp)."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
     if dims.sp > 1:
@@ -463,7 +456,6 @@ TRAINER_STATE_KEYS = ("step", "scheduler", "sampler", "rng")  # save_checkpoint 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that could not be written or is not fit to resume from. reason: one line, naming the file."""
-
     def __init__(self, path: str, reason: str):
         super().__init__(f"checkpoint {path}: {reason}")
         self.path, self.reason = path, reason
@@ -502,8 +494,7 @@ def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims: Para
     missing = [k for k in TRAINER_STATE_KEYS if k != "rng" and k not in trainer_state]
     if missing:
         raise ValueError(f"trainer_state lacks {', '.join(missing)}: a resume reads {', '.join(TRAINER_STATE_KEYS)}")
-    tmp = path + ".tmp"
-    problem = None
+    tmp, problem = path + ".tmp", None
     if dims.is_main:
         try:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -52,7 +52,6 @@ class Completion:
 # -----------------------------------------------------------------------------
 # sampling (pure functions on a [rows, vocab] logits tensor)
 
-
 def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generator=None):
     """-> (token ids [rows], log p(token) under log_softmax(logits / T)) with top-k / top-p filtering."""
     logits = logits.float()
@@ -80,14 +79,12 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generato
 # -----------------------------------------------------------------------------
 # the built-in engine
 
-
 class TorchEngine:
     """Batched generation over a model.Transformer, the trainer's own (shares_weights) or, under FSDP / TP, a full
     bf16 copy filled by load_weights before every rollout. The KV cache (at most max_num_seqs x (longest prompt +
     max_tokens) positions) is allocated by the first generate that needs it, reused while large enough, freed by
     sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA graphs captured per (batch-size
     bucket, cache span)."""
-
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True):
         self.model = model
@@ -140,14 +137,13 @@ class TorchEngine:
     def _alloc_cache(self, rows: int, max_len: int):
         """Per layer (k, v) [rows, kv_heads, max_len, head_dim], reused while large enough; with CUDA graphs also
         their inputs (tokens, positions) and output (logits), shared by all graphs."""
-        cfg, w = self.model.config, self.model.output_weight
-        dtype, c = w.dtype, self._cache
+        cfg, w, c = self.model.config, self.model.output_weight, self._cache
         if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:
             return c
         shape = (rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # old graphs read the old cache
-        self._cache = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                        torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        self._cache = [(torch.zeros(shape, dtype=w.dtype, device=self.device),
+                        torch.zeros(shape, dtype=w.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
         if self.use_cuda_graph:
             self._io = (torch.zeros(rows, dtype=torch.long, device=self.device),
                         torch.zeros(rows, dtype=torch.long, device=self.device),
@@ -159,8 +155,7 @@ class TorchEngine:
         n = params.n
         ids, pos, batch = pack_sequences(prompts, self.device)
         batch.collect_kv = []
-        last = batch.cu_seqlens[1:].long() - 1
-        logits = self.model(ids, pos, batch, logits_at=last)  # [P, vocab]
+        logits = self.model(ids, pos, batch, logits_at=batch.cu_seqlens[1:].long() - 1)  # [P, vocab], last tokens
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         Lp = int(lens.max())
         # token index of (row, t) in the packed prompt; rows of a prompt are adjacent
@@ -213,8 +208,7 @@ class TorchEngine:
     def _generate_wave(self, prompts, params, g):
         n, T = params.n, params.max_tokens
         rows, longest = len(prompts) * n, max(len(p) for p in prompts)
-        max_len = longest + T
-        cache = self._alloc_cache(rows if not self.use_cuda_graph else self.max_num_seqs, max_len)
+        cache = self._alloc_cache(rows if not self.use_cuda_graph else self.max_num_seqs, longest + T)
         tok, logp, cache_pos = self._prefill(prompts, params, cache, g)
         stop = torch.tensor([-1] if params.ignore_eos else sorted(set(params.stop_token_ids)), device=self.device)
         out_tok = torch.full((rows, T), -1, dtype=torch.long, device=self.device)
@@ -243,8 +237,7 @@ class TorchEngine:
             logits = self._decode(tok, cache_pos, cache, cache_len)
             tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g)
             cache_pos = cache_pos + 1
-        out_tok, out_logp = out_tok.tolist(), out_logp.tolist()
-        lengths, stopped = lengths.tolist(), stopped.tolist()
+        out_tok, out_logp, lengths, stopped = (x.tolist() for x in (out_tok, out_logp, lengths, stopped))
         flat = [Completion(token_ids=out_tok[r][:lengths[r]],
                            logprobs=out_logp[r][:lengths[r]] if params.logprobs else None,
                            finish_reason="stop" if stopped[r] else "length") for r in range(rows)]
@@ -283,13 +276,11 @@ def check_version(held, expected):
 # -----------------------------------------------------------------------------
 # the in-process vLLM engine
 
-
 def engine_share(num_prompts: int, world_size: int, gen_tp: int, rank: int) -> tuple[int, int, int]:
     """-> (engine index, lo, hi): ranks [e * gen_tp, (e + 1) * gen_tp) form engine e (vLLM's "external data
     parallel" layout), which generates prompts[lo:hi]. The built-in engine is the case gen_tp = 1."""
-    engines = world_size // gen_tp
-    e = rank // gen_tp
-    k = -(-num_prompts // engines)
+    engines, e = world_size // gen_tp, rank // gen_tp
+    k = -(-num_prompts // engines)  # prompts per engine, rounded up
     return e, min(e * k, num_prompts), min((e + 1) * k, num_prompts)
 
 
