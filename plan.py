@@ -90,7 +90,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0
     largest = max(m.vocab_size * h, 2 * m.moe_intermediate_size * h * E)  # gathered whole by the push
     gib["sync_bucket"] = (min(cfg.weight_sync_bucket_mb * 2**20, w * P) + w * largest) / GiB if vllm else 0.0
-    if vllm:
+    generator_gib = gib["engine_weights"] + gib["kv_cache"] + runtime_gib
+    if vllm or cfg.rollout_gpus:  # vLLM's pool replaces them; asynchronous: they live on the generator GPUs
         gib["engine_weights"] = gib["kv_cache"] = 0.0
 
     phase = {k: MEMORY_TERMS[k][0] for k in gib}
@@ -101,7 +102,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     fits = peak <= gpu_gib and (not vllm or vllm_kv_gib > 0)
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
-    notes = []
+    notes = [f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the built-in engine: "
+             f"{generator_gib:.2f} GiB (weights, KV cache, runtime)"] if cfg.rollout_gpus else []
     if vllm:
         seqs = vllm_kv_gib * GiB / (kv_token * seq)
         short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"

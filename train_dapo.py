@@ -897,8 +897,11 @@ def train(cfg: Config):
         metrics["sampler/epoch"] = run.sampler.epoch
         last = step == run.total_steps
         if run.val_prompts and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or last):
-            metrics.update(validate_policy(run, cfg, version, step))
+            with timed("val", timing):
+                metrics.update(validate_policy(run, cfg, version, step))
         timing["step"] = time.perf_counter() - t_step
+        if run.rollouts is None:  # colocated: what no phase accounts for (Python between phases, metrics, logging)
+            timing["other"] = timing["step"] - sum(v for k, v in timing.items() if k != "step")
         metrics.update({f"timing/{k}": v for k, v in timing.items()})
         metrics["perf/tokens_per_s"] = batch.total_tokens() / timing["step"]
         metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / (dims.world_size + cfg.rollout_gpus)
@@ -1547,7 +1550,8 @@ def dry_run(cfg: Config):
     # what "auto" picks on a CUDA machine with this one's packages; "vllm" is planned even where it is not installed
     engine = cfg.rollout_engine if cfg.rollout_engine == "vllm" else resolve_engine(cfg.rollout_engine, "cuda")
     print(f"rollout engine planned for: {engine}")
-    print(plan.format_memory_plan([plan.memory_plan(cfg, model_cfg, ws, g, engine=engine) for g in (80, 141)]))
+    plans = [plan.memory_plan(cfg, model_cfg, ws - cfg.rollout_gpus, g, engine=engine) for g in (80, 141)]
+    print(plan.format_memory_plan(plans))
 
 
 def plot(out_dir: str) -> str:

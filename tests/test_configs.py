@@ -296,3 +296,14 @@ def test_gradient_checkpointing_auto_is_off_only_where_the_plan_without_it_fits_
     assert roomy["gradient_checkpointing"] is False and roomy["gib"] == off["gib"]
     assert tight["gradient_checkpointing"] is True and tight["gib"] == on["gib"]
     assert "gradient_checkpointing" in plan.format_memory_plan([roomy, tight])
+
+
+def test_memory_plan_of_an_asynchronous_run_puts_the_engine_on_the_generator_gpus():
+    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-7b"])  # 28 layers, 4 kv heads of 128
+    cfg = dict(tp_size=1, max_num_seqs=256, max_prompt_length=1024, max_response_length=3072)
+    colocated = plan.memory_plan(tiny_cfg(**cfg), mc, 1, 141, runtime_gib=0)
+    p = plan.memory_plan(tiny_cfg(**cfg, rollout_gpus=1), mc, 1, 141, runtime_gib=0)
+    assert p["gib"]["engine_weights"] == p["gib"]["kv_cache"] == 0 and colocated["gib"]["kv_cache"] > 0
+    kv = 256 * 4096 * 28 * 2 * 4 * 128 * 2  # rows x tokens x layers x (k, v) x kv heads x head_dim x bf16
+    assert f"each of the 1 generator GPUs holds the built-in engine: {(2 * mc.num_params() + kv) / GiB:.2f} GiB" \
+        in p["notes"][0]

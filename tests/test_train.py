@@ -316,6 +316,10 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
                 "timing/old_logp", "timing/update", "timing/step", "perf/tokens_per_s"):
         assert key in rows[1], key
     assert rows[1]["rollout/logp_mismatch"] < 1e-4  # engine and trainer agree on log-probs before the update
+    for r in rows[1:]:  # the phases (validation included) and the rest, "other", add up to the step
+        phases = {k: v for k, v in r.items() if k.startswith("timing/") and k not in ("timing/step", "timing/sync_val")}
+        assert "timing/other" in phases and abs(sum(phases.values()) - r["timing/step"]) < 1e-6
+        assert r["timing/other"] >= 0 and ("timing/val" in r) == ("val/acc" in r)
     assert "val/acc" in rows[0] and "val/acc" in rows[2] and "val/acc" in rows[3]
     assert (full / "checkpoints" / "step_3" / "COMPLETE").exists()
     export = str(full / "checkpoints" / "step_3")  # an HF model directory, usable as a model_path
