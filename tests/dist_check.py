@@ -7,6 +7,7 @@
                         loss, full gradients), then the AdamW steps
   update                train_dapo.update_policy on a fixed batch (token-mean over dp ranks), FSDP over all ranks
   update_sp             the same with sp=2: both ranks split every micro-batch's tokens (Ulysses)
+  sp_replay             a tiny MoE, sp=2: forward + backward with router replay (a fixed routing)
   update_one            the same on one rank with a mesh of one (FSDP over one device, as on one GPU)
   bf16_one              a mesh of one computing in bf16 over fp32 master weights: one forward + backward
   save | load           a train_dapo-style checkpoint written / read at this world size
@@ -115,6 +116,22 @@ def forward_backward(model, dims):
             "logp_no_grad": logp_no_grad, "logits": logits}
 
 
+def replay_forward_backward(model):
+    """A tiny MoE's packed forward + backward over every document with router replay: a fixed routing of distinct
+    experts per token and layer (not the router's own top-k) -> log-probs and full gradients."""
+    from torch.distributed.tensor import DTensor
+    docs, cfg = batch(), model.config
+    ids, pos, b = M.pack_sequences([d[:-1] for d in docs])
+    tgt = torch.tensor([t for d in docs for t in d[1:]])[None]
+    g = torch.Generator().manual_seed(7)
+    routed = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
+                          for _ in range(ids.shape[1] * cfg.num_hidden_layers)]).view(1, ids.shape[1], -1, 2)
+    logp, _ = model(ids, pos, b, target_ids=tgt, routed_experts=routed.to(torch.uint8))
+    logp.sum().backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+    return {"logp": logp.detach(), "grads": grads}
+
+
 def full_params(model):
     out = {}
     for bucket in parallel.iter_full_weights(model, bucket_bytes=4096, dtype=torch.float32):
@@ -123,7 +140,7 @@ def full_params(model):
 
 
 def main(mode, ckpt_dir, out):
-    sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2, "update_sp": 2}.get(mode, 1)
+    sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2, "update_sp": 2, "sp_replay": 2}.get(mode, 1)
     ep = int(mode[2]) if mode.startswith("ep") else 1
     dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp, ep=ep, mesh_of_one=mode.endswith("one"))
     dtype = torch.bfloat16 if mode == "bf16_one" else torch.float32  # compute dtype; master weights stay fp32
@@ -138,6 +155,8 @@ def main(mode, ckpt_dir, out):
         result["dp_sum"] = parallel.sum_over_dp({"a": dims.dp_rank + 1.0, "b": 0.5}, dims)
     elif mode in ("ep2", "ep4", "ep2_fsdp", "moe_fsdp", "moe_tp", "ep2_compile"):
         result.update(moe_run(model, opt, dims))
+    elif mode == "sp_replay":
+        result.update(replay_forward_backward(model))
     elif mode == "bf16_one":
         result.update(forward_backward(model, dims))
     elif mode in ("sp", "sp_tp", "sp4", "sp_compile"):

@@ -113,3 +113,19 @@ def test_parallel_dims_ep_layout():
     # world 8 = dp 4 x sp 2, ep 4: fsdp index of rank 6 = 6, ep_rank 6 % 4 = 2; experts FSDP-sharded over 8 / 4
     d = parallel.ParallelDims(world_size=8, rank=6, local_rank=6, tp=1, device=torch.device("cpu"), sp=2, ep=4)
     assert (d.dp, d.fsdp_size, d.efsdp_size, d.ep_rank, d.dp_rank, d.sp_rank) == (4, 8, 2, 2, 3, 0)
+
+
+def test_router_replay_under_sequence_parallelism_matches_one_process(moe_dir, tmp_path):
+    """The replayed routing is split with the tokens (2 SP ranks, 4 odd-length documents, so the row is padded):
+    log-probs and gradients equal one process replaying the same routing, which differs from the router's own."""
+    torchrun(2, "sp_replay", moe_dir, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")
+    m = M.from_pretrained(moe_dir, dtype=torch.float32)
+    want = dist_check.replay_forward_backward(m)
+    assert (got["logp"] - want["logp"]).abs().max().item() < 1e-5
+    assert max(g.abs().max().item() for g in want["grads"].values()) > 1.0  # a sum over ~30 tokens: fp32 rounding
+    assert max_diff(want["grads"], got["grads"]) < 1e-5  # in the 6th digit
+    docs = dist_check.batch()
+    with torch.no_grad():
+        own, _ = m(*M.pack_sequences([d[:-1] for d in docs]), target_ids=torch.tensor([[t for d in docs for t in d[1:]]]))
+    assert (own - want["logp"]).abs().max().item() > 1e-3  # the replayed routing is not the router's own
