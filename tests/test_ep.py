@@ -127,5 +127,6 @@ def test_router_replay_under_sequence_parallelism_matches_one_process(moe_dir, t
     assert max_diff(want["grads"], got["grads"]) < 1e-5  # in the 6th digit
     docs = dist_check.batch()
     with torch.no_grad():
-        own, _ = m(*M.pack_sequences([d[:-1] for d in docs]), target_ids=torch.tensor([[t for d in docs for t in d[1:]]]))
+        tgt = torch.tensor([[t for d in docs for t in d[1:]]])
+        own, _ = m(*M.pack_sequences([d[:-1] for d in docs]), target_ids=tgt)
     assert (own - want["logp"]).abs().max().item() > 1e-3  # the replayed routing is not the router's own
