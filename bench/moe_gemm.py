@@ -36,7 +36,7 @@ def make(dtype):
 
 
 def step(m, dtype, grouped: bool, autocast: bool):
-    """-> (out, {grad name: grad}) of one forward + backward; params in `dtype` (fp32 + autocast: the trainer)."""
+    """-> (out, {grad name: grad}) of one forward + backward; params in `dtype` (bf16: what FSDP computes with)."""
     M._grouped_mm_dtype = grouped_mm_dtype if grouped else (lambda x: None)
     m.zero_grad(set_to_none=True)
     x = x0.to(dtype).clone().requires_grad_()
