@@ -492,3 +492,4 @@ if "tokens_per_s" in a and "tokens_per_s" in b:
 else:
     save()
     print("HEADLINE not available (a row failed; see errors)")
+parallel.shutdown()  # the process group of one made by init_distributed on a GPU
