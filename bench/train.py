@@ -491,5 +491,5 @@ if "tokens_per_s" in a and "tokens_per_s" in b:
           f"{b['MFU']:.3f} (goal >= 0.5)")
 else:
     save()
-    print("HEADLINE not available (a row failed; see errors)")
+    print("HEADLINE not available (it needs the update and hf rows, both measured; see errors)")
 parallel.shutdown()  # the process group of one made by init_distributed on a GPU
