@@ -48,24 +48,31 @@ def make_arith_rows(num_rows, split, seed=0, max_operand=99):
     return rows
 
 
-def jsonl_to_rows(path, prompt_key="prompt"):
-    """Read a JSON-lines file of rows in verl's schema, validating each with its line number."""
-    rows = []
+def read_jsonl(path):
+    """(where, object) for each non-blank line of a JSON-lines file; bad JSON raises DataError naming the line."""
+    out = []
     with open(path) as fh:
         for n, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                out.append((f"{path} line {n}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {n}: not valid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
-            for key in required_columns(prompt_key):
-                if key not in row:
-                    raise DataError(f"{path} line {n}: missing key '{key}'; {SCHEMA}")
-            parse_row(row, f"{path} line {n}", prompt_key)
-            rows.append(row)
+    return out
+
+
+def jsonl_to_rows(path, prompt_key="prompt"):
+    """Read a JSON-lines file of rows in verl's schema, validating each with its line number."""
+    rows = []
+    for where, row in read_jsonl(path):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for key in required_columns(prompt_key):
+            if key not in row:
+                raise DataError(f"{where}: missing key '{key}'; {SCHEMA}")
+        parse_row(row, where, prompt_key)
+        rows.append(row)
     if not rows:
         raise DataError(f"{path} has no rows")
     return rows
@@ -102,18 +109,9 @@ def gsm8k_raw_files(raw, split):
 
 def _raw_gsm8k(f):
     """(where, example) for each line of a JSON-lines file or row of a parquet file."""
-    if not f.endswith(".jsonl"):
-        return [(f"{f} row {r}", x) for r, x in enumerate(pq.read_table(f).to_pylist())]
-    out = []
-    with open(f) as fh:
-        for n, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append((f"{f} line {n}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{f} line {n}: not valid JSON ({e})") from None
-    return out
+    if f.endswith(".jsonl"):
+        return read_jsonl(f)
+    return [(f"{f} row {r}", x) for r, x in enumerate(pq.read_table(f).to_pylist())]
 
 
 def read_gsm8k(files, split):
