@@ -66,10 +66,9 @@ def prompt_messages(value, where, prompt_key):
     """A row's prompt as chat messages: verl's list of {role, content}, or a plain string as one user turn."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    ok = isinstance(value, list) and len(value) > 0 and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value)
-    if not ok:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
         raise DataError(f"{where}, column '{prompt_key}': expected a string or a non-empty list "
                         f"of {{role, content}} string dicts, got {value!r:.200}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
@@ -140,10 +139,9 @@ def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, tr
             if len(ids) > max_prompt_length and filter_overlong_prompts:
                 continue
             if len(ids) > max_prompt_length and truncation == "error":
-                raise DataError(
-                    f"{f} row {r}: prompt is {len(ids)} tokens after the chat template, longer than "
-                    f"max_prompt_length={max_prompt_length}; set filter_overlong_prompts=True to drop such "
-                    f"rows, or truncation=left/right/middle to cut them (or raise max_prompt_length)")
+                raise DataError(f"{f} row {r}: prompt is {len(ids)} tokens after the chat template, longer than "
+                                f"max_prompt_length={max_prompt_length}; set filter_overlong_prompts=True to drop "
+                                "such rows, or truncation=left/right/middle to cut them (or raise max_prompt_length)")
             item["prompt_ids"] = truncate(ids, max_prompt_length, truncation)
             items.append(item)
     if filter_overlong_prompts:
@@ -262,12 +260,6 @@ def _eos_token_ids(tok, eos_token, generation_config, config):
     return list(dict.fromkeys(i for i in [eos, *extra] if i is not None))
 
 
-def _template_line(e):
-    """The template line an exception was raised at: jinja rewrites tracebacks to point into '<template>'."""
-    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
-    return lines[-1] if lines else None
-
-
 class Tokenizer:
     """A tokenizers.Tokenizer with the special tokens, stop ids and chat template of a model directory."""
     def __init__(self, tok, chat_template: str | None, special: dict, eos_token_ids: list[int],
@@ -344,11 +336,12 @@ class Tokenizer:
         except DataError:
             raise
         except Exception as e:  # anything the template raises (TemplateError, TypeError, ...) is its own fault
-            raise DataError(
-                f"{self.chat_template_file} fails on a one-message conversation with add_generation_prompt=True "
-                f"and chat_template_kwargs={chat_template_kwargs}: {type(e).__name__} at template line "
-                f"{_template_line(e)}: {e}; fix the template there, or set chat_template_kwargs to the "
-                "variables it expects") from None
+            # jinja rewrites tracebacks to point into '<template>'; the innermost such frame is the failing line
+            lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
+            raise DataError(f"{self.chat_template_file} fails on a one-message conversation with "
+                            f"add_generation_prompt=True and chat_template_kwargs={chat_template_kwargs}: "
+                            f"{type(e).__name__} at template line {lines[-1] if lines else None}: {e}; fix the "
+                            "template there, or set chat_template_kwargs to the variables it expects") from None
 
 
 def _compile_template(source: str):
@@ -361,6 +354,5 @@ def _compile_template(source: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(source)

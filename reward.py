@@ -5,7 +5,6 @@ a file, DAPO's overlong penalty, and a process pool that scores a batch with a p
     compute_score("math_dapo", "...\nAnswer: 42", "42")   # {'score': 1.0, 'acc': True, 'pred': '42'}
     reward_fn = "path/to/file.py:function_name"           # config: a custom function, same signature
 """
-
 import contextlib
 import ctypes
 import importlib.util
@@ -33,17 +32,13 @@ class RewardError(ValueError):
 # DAPO math (verl's math_dapo.py, Minerva-style normalization)
 
 # applied in order, exactly as verl's math_dapo.SUBSTITUTIONS / REMOVED_EXPRESSIONS
-SUBSTITUTIONS = [
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
-]
+SUBSTITUTIONS = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
+                 (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
 REMOVED_EXPRESSIONS = [
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;",
-    r",\!", "{,}", '"', "\\dots",
-]
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}",
+    "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;", r",\!", "{,}", '"', "\\dots"]
 
 
 def normalize_final_answer(final_answer: str) -> str:
@@ -95,8 +90,7 @@ def math_dapo_score(solution_str: str, ground_truth: str, strict_box_verify: boo
 # -----------------------------------------------------------------------------
 # GSM8K (verl's gsm8k.py) and the CPU demo's arithmetic task
 
-# verl's GSM8K final answer, in solutions and in responses; preparing the data set uses it too
-GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # verl's final answer, in solutions and in responses
 
 
 def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
@@ -136,7 +130,6 @@ AIME_PREFIX = "aime"
 
 
 def _verifier(data_source: str):
-    """The rule verifier for a data_source, or None if there is none."""
     return math_dapo_score if str(data_source).startswith(AIME_PREFIX) else VERIFIERS.get(data_source)
 
 
@@ -145,11 +138,10 @@ def check_data_sources(data_sources: set[str], reward_fn: str | None) -> None:
     reward_fn receives every data_source and decides for itself."""
     unknown = sorted((ds for ds in data_sources if _verifier(ds) is None), key=str)
     if reward_fn is None and unknown:
-        raise RewardError(
-            f"no verifier for data_source {', '.join(map(repr, unknown))}; known: {', '.join(VERIFIERS)}, "
-            f"{AIME_PREFIX}*. For another data source write a function f(data_source, solution_str, ground_truth, "
-            "extra_info=None) returning a float or a dict with 'score' (and 'acc'), and set "
-            'reward_fn = "path/to/file.py:function_name" in the config.')
+        raise RewardError(f"no verifier for data_source {', '.join(map(repr, unknown))}; known: {', '.join(VERIFIERS)}"
+                          f", {AIME_PREFIX}*. For another data source write a function f(data_source, solution_str, "
+                          "ground_truth, extra_info=None) returning a float or a dict with 'score' (and 'acc'), and "
+                          'set reward_fn = "path/to/file.py:function_name" in the config.')
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict:
@@ -214,8 +206,7 @@ def normalize_result(result, fn_name: str) -> dict:
     if not isinstance(score, (int, float)) or not math.isfinite(score):
         raise RewardError(f"reward function {fn_name} returned {repr(result)[:200]}; it should return a finite "
                           "number or a dict with a finite 'score' (optional 'acc', 'pred')")
-    acc = out.get("acc", score > 0)
-    return {"score": float(score), "acc": bool(acc), "pred": out.get("pred")}
+    return {"score": float(score), "acc": bool(out.get("acc", score > 0)), "pred": out.get("pred")}
 
 
 def overlong_penalty(response_length: int, max_response_length: int, buffer_len: int, penalty_factor: float) -> float:
@@ -231,11 +222,6 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
 
 # -----------------------------------------------------------------------------
 # scoring a batch in worker processes, with a per-response timeout
-#
-# A response whose reward function raises, returns something unusable or kills its worker (os._exit, a signal,
-# a segfault) scores 0 and counts in num_errors; one that runs past timeout_s scores 0 and counts in num_timeouts.
-# Errors on every response of a call raise RewardError (the function is broken, not the data); timeouts never
-# do, since slowness depends on load and its knob is timeout_s.
 
 _STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter plus the custom file's own imports
 _PARENT_POLL_S = 0.5  # how often a worker checks that the trainer is still its parent
@@ -341,9 +327,10 @@ class RewardScorer:
         self.workers = [_Worker(reward_fn) for _ in range(num_workers)]  # started once, reused every batch
 
     def score(self, items) -> tuple[list[dict], dict]:
-        """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they ran
-        past timeout_s or the reward function failed on them. One warning line per call with errors;
-        RewardError when every response failed with an error."""
+        """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they ran past
+        timeout_s, or because the reward function raised, returned something unusable or killed its worker. One
+        warning line per call with errors; RewardError when every response failed with an error (the function is
+        broken, not the data), never for timeouts (slowness depends on load; its knob is timeout_s)."""
         if self.workers is None:
             raise RuntimeError("RewardScorer.score() after close()")
         call = _Call(list(items))
@@ -371,7 +358,11 @@ class RewardScorer:
             while todo or any(w.chunk for w in self.workers):
                 for w in self.workers:  # one IPC message per chunk, not per item
                     if w.ready and not w.chunk and todo:
-                        self._send(w, todo.popleft(), call, todo)
+                        w.chunk, w.deadline = todo.popleft(), time.monotonic() + self.timeout_s
+                        try:
+                            w.conn.send([call.items[i] for i in w.chunk])
+                        except OSError:  # it died while idle: no response to blame, a fresh worker takes the chunk
+                            self._replace(w, call, todo, None)
                 busy = [w for w in self.workers if w.chunk or not w.ready]
                 timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
                 readable = multiprocessing.connection.wait([w.conn for w in busy], timeout)
@@ -388,13 +379,6 @@ class RewardScorer:
                 self._replace(w, call, deque(), None)
             raise
 
-    def _send(self, w: _Worker, chunk: deque, call: _Call, todo: deque) -> None:
-        w.chunk, w.deadline = chunk, time.monotonic() + self.timeout_s
-        try:
-            w.conn.send([call.items[i] for i in chunk])
-        except OSError:  # it died while idle: no response to blame, a fresh worker takes the chunk
-            self._replace(w, call, todo, None)
-
     def _receive(self, w: _Worker, call: _Call, todo: deque) -> None:
         """Take one message from a worker; a worker that died scores its current response 0 as an error."""
         try:
@@ -410,11 +394,9 @@ class RewardScorer:
         if msg == "ready":
             w.ready = True
             return
-        result, why = msg
         i = w.chunk.popleft()
-        if why is None:
-            call.results[i] = result
-        else:
+        call.results[i], why = msg
+        if why is not None:
             call.fail(i, "num_errors", why)
         w.deadline = time.monotonic() + self.timeout_s  # the next response's clock starts now
 
