@@ -1,10 +1,14 @@
 """
 Rollout tokens/s on a random-init Qwen2.5-1.5B-shaped model: the built-in rollout.TorchEngine against
 transformers' generate, vLLM (bare, and through rollout.VLLMEngine) and the memory-bound decode limit.
+The vLLM variants between bare llm.generate and rollout.VLLMEngine.generate split the wrapper's cost: per-request
+seeds, sampled log-probs, both, the wrapper's own requests, the conversion to Completions, Python's gc.
 
     python bench/rollout.py --engines torch,hf,vllm --batch 64,256 --max-tokens 512,2048
+    python bench/rollout.py --engines vllm --batch 256 --max-tokens 512 --vllm-variants seed,logp,both,nd,convert
 """
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -28,12 +32,26 @@ p.add_argument("--engines", default="torch,hf,vllm",
                help="comma list, run in this order: torch (the built-in engine), hf, vllm (only if importable)")
 p.add_argument("--batch", default="64,256")
 p.add_argument("--max-tokens", default="512,2048")
+# each timed against bare llm.generate in the same run, interleaved; results key: <key>_tok_s, <key>_wall_s
+VLLM_VARIANTS = {
+    "seed": "vllmseed",  # llm.generate, one SamplingParams per request with seed = its index
+    "logp": "vllmlogp",  # llm.generate, one shared SamplingParams with logprobs=0, flat_logprobs
+    "both": "vllmboth",  # per-request seeds + log-probs (the requests the wrapper built per sample)
+    "req": "vllmreq",  # llm.generate of rollout.VLLMEngine.requests (where the wrapper has it)
+    "nd": "ndvllm",  # rollout.VLLMEngine.generate: the requests, then the conversion to Completions
+    "nogc": "ndvllm_nogc",  # rollout.VLLMEngine.generate with Python's gc disabled during the call
+    "convert": "convert",  # the conversion alone of one "req" call's outputs into Completions: convert_s
+}
+KEYS = {"bare": "vllm", **VLLM_VARIANTS}  # bare llm.generate: vllm_tok_s
+p.add_argument("--vllm-variants", default=",".join(VLLM_VARIANTS),
+               help=f"comma list of the vLLM variants timed next to bare llm.generate: {', '.join(VLLM_VARIANTS)}")
 p.add_argument("--prompt-len", type=int, default=256)
 p.add_argument("--repeats", type=int, default=3)
 p.add_argument("--repeats-long", type=int, default=2, help="timed calls for max_tokens > 512")
 p.add_argument("--hf-repeats", type=int, default=1)
 p.add_argument("--hf-max-tokens", type=int, default=512, help="run transformers only for max_tokens <= this")
-p.add_argument("--gpu-mem-util", type=float, default=0.5, help="vLLM gpu_memory_utilization (our model stays on the GPU)")
+p.add_argument("--gpu-mem-util", type=float, default=0.5,
+               help="vLLM gpu_memory_utilization (our model stays on the GPU)")
 p.add_argument("--ckpt-dir", default="/tmp/nanodapo_bench_model")
 args = p.parse_args()
 if args.tiny:
@@ -42,6 +60,10 @@ Bs = [int(x) for x in args.batch.split(",")]
 Ts = [int(x) for x in args.max_tokens.split(",")]
 P = args.prompt_len
 engines = args.engines.split(",")
+variants = [v for v in args.vllm_variants.split(",") if v]
+if set(variants) - set(VLLM_VARIANTS):
+    p.error(f"--vllm-variants {args.vllm_variants}: unknown {sorted(set(variants) - set(VLLM_VARIANTS))}; "
+            f"choose from {','.join(VLLM_VARIANTS)}")
 device = parallel.get_device()
 cuda = device.type == "cuda"
 OUT = os.path.join(os.environ["OUT"], "rollout.json") if os.environ.get("OUT") else None
@@ -93,14 +115,18 @@ if any(e in engines for e in ("hf", "vllm")):
 # -----------------------------------------------------------------------------
 # the memory-bound decode limit: a step reads every weight once plus the live KV cache, at the copy bandwidth
 
-src = torch.randn(2**28 if cuda else 2**24, device=device)  # fp32: 1 GiB on the GPU, 64 MiB on the CPU
-dst = torch.empty_like(src)
-for _ in range(3):
-    dst.copy_(src)
-reps = 20
-dt, _ = timed(lambda: [dst.copy_(src) for _ in range(reps)], device)
-copy_bw = 2 * src.numel() * src.element_size() * reps / dt  # bytes read + written
-del src, dst
+
+def copy_bandwidth(reps=20) -> float:
+    """Bytes read + written per second by a device copy of 1 GiB (64 MiB on the CPU)."""
+    src = torch.randn(2**28 if cuda else 2**24, device=device)  # fp32
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    dt, _ = timed(lambda: [dst.copy_(src) for _ in range(reps)], device)
+    return 2 * src.numel() * src.element_size() * reps / dt
+
+
+copy_bw = copy_bandwidth()
 RES["copy_bw_GBps"] = round(copy_bw / 1e9, 1)
 weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding counted once
 kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16
@@ -169,7 +195,40 @@ def diagnose(eng, name, B, T, wall):
     logits = torch.randn(B, cfg.vocab_size, device=device, dtype=torch.bfloat16)
     d["sample_ms"] = round(median_seconds(lambda: R.sample_tokens(logits, 1.0, 1.0, -1), device, reps=20) * 1e3, 3)
     d["floor_ms_per_step"] = row(B, T)["limit_step_ms"]
+    # a graph replay hides its kernels from the profiler: count them on the same step run eagerly
+    span = max((s for b, s in eng._graphs if b == B), default=P + T)
+    step = eager_decode_step(eng, B, span)
+    try:
+        d["eager_step_ms"] = round(median_seconds(step, device, reps=10) * 1e3, 3)
+        d["kernels_per_step"] = kernels_per_call(step)
+        d["kernels_per_sample"] = kernels_per_call(lambda: R.sample_tokens(logits, 1.0, 1.0, -1))
+    except Exception as e:  # the profiler needs CUPTI; the timings above stand without it
+        d["kernels_error"] = repr(e)
     print(f"       diag {name} B={B} T={T}: {d}")
+
+
+def eager_decode_step(eng, B, span):
+    """-> a call of the engine's decode step for B rows over `span` cache positions, without its CUDA graph
+    (writes slot span - 1 of rows :B, which the timed calls no longer need)."""
+    kv = [(k[:B], v[:B]) for k, v in eng._cache]
+    tokens = torch.zeros(B, dtype=torch.long, device=device)
+    cache_pos = torch.full((B,), span - 1, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def step():
+        return R._decode_step(eng.model, tokens, cache_pos, kv, span)
+    return step
+
+
+def kernels_per_call(fn) -> int:
+    """Device kernels (memcpy and memset included) one call of fn launches, as torch.profiler records them."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
 
 
 # -----------------------------------------------------------------------------
@@ -179,7 +238,13 @@ def diagnose(eng, name, B, T, wall):
 def bench_hf():
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(args.ckpt_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
-    hf = hf.to(device).eval()
+    time_hf(hf.to(device).eval())
+    del hf
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def time_hf(hf):
     ids = torch.tensor(PROMPTS[Bs[0]][:2], device=device)[:, :64]
     with torch.no_grad():
         ref, got = model(ids).float(), hf(ids).logits.float()
@@ -205,24 +270,16 @@ def bench_hf():
             r["hf_tok_s"] = round(B * T / statistics.median(times), 1)
             print(f"hf     B={B:4d} T={T:5d}: {r['hf_tok_s']:10.0f} tok/s  (calls {r['hf_wall_s']} s)")
             save()
-    del hf
-    if cuda:
-        torch.cuda.empty_cache()
 
 
 # -----------------------------------------------------------------------------
 # vLLM in this process, as the trainer hosts it
 
 
-def bench_vllm():
-    """One rollout.VLLMEngine (weights pushed from the benchmark model), timed three ways, interleaved: "vLLM" =
-    bare llm.generate (no seeds, no log-probs), "vLLM+req" = llm.generate of the requests the wrapper builds
-    (seeds, sampled log-probs), "nd-vLLM" = the wrapper's generate as the trainer calls it."""
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
-    import vllm
-    from vllm import SamplingParams
-
+def bench_vllm(vllm):
+    """One rollout.VLLMEngine (weights pushed from the benchmark model); per (B, T), bare llm.generate (no seeds,
+    no log-probs) and each selected variant (VLLM_VARIANTS), interleaved call by call."""
+    SamplingParams = vllm.SamplingParams
     RES["versions"]["vllm"] = vllm.__version__
     t0 = time.perf_counter()
     eng = R.VLLMEngine(args.ckpt_dir, gpu_memory_utilization=args.gpu_mem_util, max_model_len=P + max(Ts) + 64,
@@ -239,32 +296,88 @@ def bench_vllm():
     eng.wake_up(["kv_cache"])
     warm = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False)
     eng.llm.generate([{"prompt_token_ids": p} for p in PROMPTS[Bs[0]][:4]], warm, use_tqdm=False)
+
+    def requests(prompts, T, seeds: bool, logprobs: bool):
+        """vLLM requests, one sample each: seeds -> one SamplingParams per request, seed = its index, else one
+        shared; logprobs -> the sampled token's log-prob, as flat lists."""
+        def sampling(seed):
+            return SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, detokenize=False, seed=seed,
+                                  logprobs=0 if logprobs else None, flat_logprobs=logprobs)
+        ps = [{"prompt_token_ids": p} for p in prompts]
+        return ps, [sampling(i) for i in range(len(prompts))] if seeds else sampling(None)
+
+    def without_gc(fn):
+        gc.disable()
+        try:
+            return fn()
+        finally:
+            gc.enable()
+
+    if hasattr(R, "vllm_completions"):
+        to_completions, RES["vllm_convert_fn"] = R.vllm_completions, "rollout.vllm_completions"
+    else:
+        to_completions, RES["vllm_convert_fn"] = completions_inline, "a copy of VLLMEngine.generate's loop"
+    timed_variants = ["bare"] + [v for v in VLLM_VARIANTS if v in variants and v != "convert"]
+    if "req" in timed_variants and not hasattr(eng, "requests"):
+        timed_variants.remove("req")
+        RES["errors"]["vllm_req"] = "rollout.VLLMEngine has no requests(): variant req skipped"
+        print(RES["errors"]["vllm_req"])
     for T in Ts:
         for B in Bs:
-            sp = SamplingParams(temperature=1.0, max_tokens=T, ignore_eos=True, detokenize=False)
             ours = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, seed=0)
-            ps = [{"prompt_token_ids": p} for p in PROMPTS[B]]
-            bare, wrapped, req = [], [], []
+            calls = {
+                "bare": lambda: eng.llm.generate(*requests(PROMPTS[B], T, False, False), use_tqdm=False),
+                "seed": lambda: eng.llm.generate(*requests(PROMPTS[B], T, True, False), use_tqdm=False),
+                "logp": lambda: eng.llm.generate(*requests(PROMPTS[B], T, False, True), use_tqdm=False),
+                "both": lambda: eng.llm.generate(*requests(PROMPTS[B], T, True, True), use_tqdm=False),
+                "req": lambda: eng.llm.generate(*eng.requests(PROMPTS[B], ours), use_tqdm=False),
+                "nd": lambda: eng.generate(PROMPTS[B], ours, version=0),
+                "nogc": lambda: without_gc(lambda: eng.generate(PROMPTS[B], ours, version=0)),
+            }
+            times, last = {v: [] for v in timed_variants}, {}
             for _ in range(repeats(T)):
-                dt, outs = timed(lambda: eng.llm.generate(ps, sp, use_tqdm=False), device)
-                assert sum(len(o.outputs[0].token_ids) for o in outs) == B * T
-                bare.append(dt)
-                dt, outs = timed(lambda: eng.llm.generate(*eng.requests(PROMPTS[B], ours), use_tqdm=False), device)
-                req.append(dt)
-                dt, outs = timed(lambda: eng.generate(PROMPTS[B], ours, version=0), device)
-                assert sum(len(c[0].token_ids) for c in outs) == B * T
-                wrapped.append(dt)
+                for v in timed_variants:
+                    dt, outs = timed(calls[v], device)
+                    completions = v in ("nd", "nogc")
+                    ntok = sum(len(o[0].token_ids if completions else o.outputs[0].token_ids) for o in outs)
+                    assert ntok == B * T, (v, ntok, B * T)
+                    if v in ("logp", "both", "req"):
+                        assert outs[0].outputs[0].logprobs is not None, f"{v}: vLLM returned no log-probs"
+                    times[v].append(dt)
+                    last[v] = outs
             r = row(B, T)
-            r["vllm_wall_s"], r["ndvllm_wall_s"] = [round(x, 3) for x in bare], [round(x, 3) for x in wrapped]
-            r["vllmreq_wall_s"] = [round(x, 3) for x in req]
-            r["vllm_tok_s"] = round(B * T / statistics.median(bare), 1)
-            r["vllmreq_tok_s"] = round(B * T / statistics.median(req), 1)
-            r["ndvllm_tok_s"] = round(B * T / statistics.median(wrapped), 1)
-            print(f"vllm   B={B:4d} T={T:5d}: {r['vllm_tok_s']:10.0f} tok/s bare, {r['vllmreq_tok_s']:10.0f} with the "
-                  f"wrapper's requests (seeds, log-probs), {r['ndvllm_tok_s']:10.0f} through rollout.VLLMEngine  "
-                  f"(calls {r['vllm_wall_s']} / {r['vllmreq_wall_s']} / {r['ndvllm_wall_s']} s)")
+            for v, ts in times.items():
+                key = KEYS[v]
+                r[f"{key}_wall_s"] = [round(x, 3) for x in ts]
+                r[f"{key}_tok_s"] = round(B * T / statistics.median(ts), 1)
+            if "convert" in variants:  # the outputs of one call of the wrapper's requests (or the same built here)
+                outs = last.get("req") or last.get("both") or calls["both"]()
+                conv = []
+                for _ in range(repeats(T)):
+                    dt, cs = timed(lambda: to_completions(outs, ours), device)
+                    assert sum(len(c[0].token_ids) for c in cs) == B * T and cs[0][0].logprobs is not None
+                    conv.append(dt)
+                r["convert_wall_s"] = [round(x, 4) for x in conv]
+                r["convert_s"] = round(statistics.median(conv), 4)
+            print(f"vllm   B={B:4d} T={T:5d}: " + ", ".join(f"{v} {r[KEYS[v] + '_tok_s']:.0f}" for v in timed_variants)
+                  + " tok/s" + (f", convert {r['convert_s'] * 1e3:.1f} ms" if "convert_s" in r else ""))
+            print("       calls (s): " + ", ".join(f"{v} {r[KEYS[v] + '_wall_s']}" for v in timed_variants))
             save()
     eng.sleep()
+
+
+def completions_inline(outs, params):
+    """rollout.VLLMEngine.generate's conversion of vLLM outputs to Completions, for a rollout.py without
+    vllm_completions."""
+    flat = []
+    for o in outs:
+        c = o.outputs[0]
+        logp = R._sampled_logprobs(c.logprobs) if params.logprobs else None
+        routed = getattr(c, "routed_experts", None)
+        flat.append(R.Completion(token_ids=list(c.token_ids), logprobs=logp,
+                                 finish_reason="stop" if c.finish_reason == "stop" else "length",
+                                 routed_experts=None if routed is None else torch.from_numpy(routed)))
+    return [flat[i * params.n:(i + 1) * params.n] for i in range(len(flat) // params.n)]
 
 
 # -----------------------------------------------------------------------------
@@ -279,14 +392,16 @@ if "hf" in engines:
         RES["errors"]["hf"] = repr(e)
         print("transformers failed:", repr(e))
 if "vllm" in engines:
+    for k, v in VLLM_ENV.items():  # read when vLLM is imported
+        os.environ.setdefault(k, v)
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as e:
         RES["errors"]["vllm"] = f"not importable: {e}"
         print(f"vLLM not importable ({e}); skipped")
     else:
         try:
-            bench_vllm()
+            bench_vllm(vllm)
         except Exception as e:
             traceback.print_exc()
             RES["errors"]["vllm"] = repr(e)
@@ -298,7 +413,7 @@ def fmt(x, spec="10.0f"):
 
 
 def ratio(a, b):
-    return a / b if a is not None and b is not None else None
+    return a / b if a is not None and b else None  # b: None (not measured) or 0 (rounded away)
 
 
 print(f"\n=== rollout tokens/s: built-in = rollout.TorchEngine (CUDA graphs); {RES.get('gpu', device)}, "
@@ -320,7 +435,24 @@ if RES["diagnostics"]:
     for d in RES["diagnostics"].values():
         print(f"{d['engine']:12s} B={d['B']:4d} max_tok={d['max_tokens']:5d} | prefill {d['prefill_ms']:7.1f} "
               f"loop {d['loop_ms_per_step']:6.3f} graph {d['graph_ms_by_span']} sample {d['sample_ms']:6.3f} "
-              f"floor {d['floor_ms_per_step']:6.3f}")
+              f"floor {d['floor_ms_per_step']:6.3f} | eager step {fmt(d.get('eager_step_ms'), '6.3f')} ms, "
+              f"kernels: step {d.get('kernels_per_step', '-')} sample {d.get('kernels_per_sample', '-')}")
+if any("vllm_tok_s" in r for r in RES["rows"].values()):
+    print("\nvLLM variants, tokens/s relative to bare llm.generate in the same run "
+          f"(convert: {RES['vllm_convert_fn']})")
+    names = [v for v in VLLM_VARIANTS if v != "convert"]
+    hdr = (f"{'B':>4} {'max_tok':>7} | {'bare':>9} | " + " ".join(f"{v:>6}" for v in names)
+           + f" | {'convert ms':>10} {'conv/nd':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in RES["rows"].values():
+        if "vllm_tok_s" not in r:
+            continue
+        nd_wall = statistics.median(r["ndvllm_wall_s"]) if "ndvllm_wall_s" in r else None
+        conv = r.get("convert_s")
+        print(f"{r['B']:>4} {r['max_tokens']:>7} | {fmt(r['vllm_tok_s'], '9.0f')} | "
+              + " ".join(fmt(ratio(r.get(KEYS[v] + "_tok_s"), r["vllm_tok_s"]), "6.3f") for v in names)
+              + f" | {fmt(None if conv is None else conv * 1e3, '10.1f')} {fmt(ratio(conv, nd_wall), '7.3f')}")
 print("errors:", RES["errors"] or "none")
 head = RES["rows"].get(f"B{max(Bs)}_T{min(Ts)}", {})
 hb, hv, hn = (head.get(k) for k in ("torch_tok_s", "vllm_tok_s", "ndvllm_tok_s"))
