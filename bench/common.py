@@ -1,4 +1,5 @@
-"""What the bench/ scripts share: results JSON, device timing, the vLLM environment, random-init models."""
+"""What the bench/ scripts share: results JSON, device timing, the vLLM environment, random-init models, the
+peak of a CUDA memory history by allocation site."""
 import importlib.metadata
 import json
 import os
@@ -110,3 +111,72 @@ def write_random_model(path: str, cfg: M.ModelConfig, device, seed: int = 0):
     (a few hundred ids, inside any real model's vocabulary and TINY's)."""
     M.save_pretrained(random_model(cfg, device, torch.bfloat16, seed), path)
     write_tokenizer(path)
+
+
+# -----------------------------------------------------------------------------
+# what is live at the peak of a torch.cuda.memory._snapshot() history
+
+OUR_FILES = ("model.py", "train_dapo.py", "parallel.py", "rollout.py")
+RESIDENT = "resident before the step"
+NO_FRAMES = "autograd engine (no Python frames: grads, saved activations)"
+# the torch machinery a frame belongs to, by path fragment; frames run innermost first, the first match wins
+TORCH_KINDS = (("torch/optim/", "optimizer"), ("torch/distributed/fsdp/", "fsdp"),
+               ("torch/utils/checkpoint.py", "checkpoint"), ("torchinductor", "compiled"),
+               ("torch/_inductor/", "compiled"), ("torch/_functorch/", "autograd"), ("torch/autograd/", "autograd"))
+RECOMPUTE_FNS = ("recompute_fn", "unpack_hook", "unpack_hook_with_error_cb")  # checkpoint.py, inside backward
+
+
+def allocation_label(frames: list[dict]) -> str:
+    """Frames (innermost first, as torch records them) -> "file:function:line" of the innermost frame in this
+    repo's files, tagged [kind] when torch machinery (TORCH_KINDS) is on the stack; else the kind alone."""
+    ours = next((f for f in frames if os.path.dirname(os.path.abspath(f["filename"])) == ROOT
+                 and os.path.basename(f["filename"]) in OUR_FILES), None)
+    kind = None
+    for f in frames:
+        path = f["filename"].replace(os.sep, "/")
+        kind = next((k for frag, k in TORCH_KINDS if frag in path), None)
+        if kind is not None:
+            break
+    if kind == "checkpoint" and any(f["name"] in RECOMPUTE_FNS for f in frames if "checkpoint" in f["filename"]):
+        kind = "checkpoint recompute"
+    if ours is None:
+        return kind or (NO_FRAMES if not frames else "other")
+    site = f"{os.path.basename(ours['filename'])}:{ours['name']}:{ours['line']}"
+    return f"{site} [{kind}]" if kind else site
+
+
+def peak_breakdown(snapshot: dict, device: int = 0) -> dict:
+    """A torch.cuda.memory._snapshot() taken after recording history over a step -> the moment of peak allocated
+    bytes in the trace and what was live then, bytes by allocation_label; allocations that were live when recording
+    began (freed in the trace before any alloc of theirs, or still live at the end and never allocated in it) go
+    under RESIDENT. Memory counts as allocated from "alloc" until "free_completed" (a "free_requested" block may
+    still be in use by another stream). -> {"peak_bytes", "resident_bytes", "peak_event", "events",
+    "by_label": {label: bytes}, largest first}."""
+    trace = snapshot["device_traces"][device]
+    end_live = {b["address"]: b["size"] for seg in snapshot["segments"] if seg.get("device", device) == device
+                for b in seg["blocks"] if b["state"] in ("active_allocated", "active_awaiting_free")}
+    first = {}  # address -> its first alloc/free event in the trace
+    for e in trace:
+        if e["action"] in ("alloc", "free_requested", "free_completed"):
+            first.setdefault(e["addr"], e)
+    live = {a: (s, RESIDENT) for a, s in end_live.items() if a not in first}
+    live.update({a: (e["size"], RESIDENT) for a, e in first.items() if e["action"] != "alloc"})
+    total = peak = sum(s for s, _ in live.values())
+    peak_i = -1  # -1: the peak is the resident state itself
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            total += e["size"]
+            if total > peak:
+                peak, peak_i = total, i
+        elif e["action"] == "free_completed":
+            total -= e["size"]
+    for e in trace[:peak_i + 1]:  # replay again up to the peak, now keeping each allocation's label
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], allocation_label(e.get("frames", [])))
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    by_label = {}
+    for size, label in live.values():
+        by_label[label] = by_label.get(label, 0) + size
+    return {"peak_bytes": peak, "resident_bytes": by_label.get(RESIDENT, 0), "peak_event": peak_i,
+            "events": len(trace), "by_label": dict(sorted(by_label.items(), key=lambda kv: -kv[1]))}

@@ -3,6 +3,7 @@ Actor-update tokens/s and MFU: train_dapo.update_policy, the bare packed model a
 sequences and weights of a random-init Qwen2.5-1.5B-shaped model; MFU against a bf16 matmul measured in the run.
 
     python bench/train.py --rows update,bare,hf --out train.json
+    python bench/train.py --rows update_compiled,update_compiled_ckpt14 --memory   # + what is live at the peak
 """
 import argparse
 import contextlib
@@ -10,7 +11,9 @@ import copy
 import gc
 import math
 import os
+import pickle
 import random
+import re
 import statistics
 import sys
 import time
@@ -25,7 +28,8 @@ import data  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import train_dapo as T  # noqa: E402
-from bench.common import dump, matmul_peak, model_config, out_path, random_model, sync, timed, versions  # noqa: E402
+from bench.common import (dump, matmul_peak, model_config, out_path, peak_breakdown, random_model, sync,  # noqa: E402
+                          timed, versions)
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
@@ -43,15 +47,33 @@ p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--repeats", type=int, default=4)
 p.add_argument("--rows", default="update,update_autocast,bare,bare_bf16,hf,hf_bf16",
                help="comma list: update (nanodapo update_policy as the trainer runs it: FSDP2 on a mesh of one, bf16 "
-                    "compute), update_fused_adam (the same, AdamW fused=True), update_compiled (the same, each block "
-                    "torch.compile'd), update_compiled_nockpt (compiled, no activation checkpointing), update_autocast (a plain fp32 module under bf16 autocast), bare (nanodapo, "
-                    "autocast), bare_bf16, hf (transformers, autocast), hf_bf16")
+                    "compute, every block checkpointed), update_fused_adam (the same, AdamW fused=True), "
+                    "update[_compiled][_ckpt<N>|_nockpt][_eager_head] (_compiled: each block and the log-prob head "
+                    "torch.compile'd; _ckpt<N>: only the first N decoder blocks checkpointed, _nockpt: none; "
+                    "_eager_head: compiled blocks, eager log-prob head), update_autocast (a plain fp32 module under "
+                    "bf16 autocast), bare (nanodapo, autocast), bare_bf16, hf (transformers, autocast), hf_bf16")
 p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--profile", action="store_true",
                help="after timing, profile one more step of each row (torch.profiler): kernel time by kind, top kernels")
+p.add_argument("--memory", action="store_true",
+               help="after timing, record the CUDA memory history of one more step of each row: what is live at its "
+                    "peak, by allocation site (peak_breakdown in the row)")
+p.add_argument("--memory-entries", type=int, default=200_000, help="--memory: the history's ring-buffer size")
+p.add_argument("--memory-pickle", action="store_true",
+               help="--memory: also write each row's snapshot next to --out (memory_<row>.pickle, for "
+                    "pytorch.org/memory_viz)")
 p.add_argument("--out", default=None)
 args = p.parse_args()
+UPDATE_ROW = re.compile(r"update(?P<compiled>_compiled)?(?:_ckpt(?P<ckpt>\d+)|(?P<nockpt>_nockpt))?"
+                        r"(?P<eager_head>_eager_head)?")
+OTHER_ROWS = ("update_fused_adam", "update_autocast", "bare", "bare_bf16", "hf", "hf_bf16")
+for r in args.rows.split(","):
+    v = UPDATE_ROW.fullmatch(r)
+    if r not in OTHER_ROWS and v is None:
+        p.error(f"--rows: unknown row {r!r}; see --help for the names")
+    if v is not None and v["eager_head"] and not v["compiled"]:
+        p.error(f"--rows: {r!r}: _eager_head needs _compiled (the uncompiled head is always eager)")
 if args.tiny:
     args.prompt_len, args.max_response, args.resp_median = 16, 64, 24.0
     args.step_tokens, args.token_budget, args.logprob_chunk = 1024, 256, 64
@@ -114,10 +136,37 @@ N_BLOCKS = cfg.num_active_params() - V * H * (1 if cfg.tie_word_embeddings else 
 ATTN_FWD = 2 * L * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lens)  # causal, forward
 FLOPS_MODEL = 6 * (N_BLOCKS + HEAD) * NTOK + 3 * ATTN_FWD
 FLOPS_NONEMB = 6 * N_BLOCKS * NTOK + 3 * ATTN_FWD
-FLOPS_HW_NANO = FLOPS_MODEL + 2 * N_BLOCKS * NTOK + ATTN_FWD + 2 * HEAD * NTOK  # + recompute (blocks, head)
+
+
+def flops_hw_nano(n_ckpt: int) -> float:
+    """Model FLOPs + what the backward recomputes: n_ckpt of the L blocks' forwards and the log-prob head's."""
+    return FLOPS_MODEL + n_ckpt / L * (2 * N_BLOCKS * NTOK + ATTN_FWD) + 2 * HEAD * NTOK
+
+
 RES["flops"] = {"N_blocks": N_BLOCKS, "head_VH": HEAD, "model_per_step": FLOPS_MODEL,
-                "nonemb_per_step": FLOPS_NONEMB, "hardware_nanodapo_per_step": FLOPS_HW_NANO,
+                "nonemb_per_step": FLOPS_NONEMB, "hardware_nanodapo_per_step": flops_hw_nano(L),
                 "formula": "6*(N_blocks + V*H)*tokens + 6*L*heads*head_dim*sum(n_i^2)"}
+
+
+def update_variant(row: str) -> dict:
+    """An update row's name -> its row name in the results, compile, checkpointed blocks, eager head, fused AdamW."""
+    if row == "update_fused_adam":
+        return {"name": "nanodapo update fused AdamW", "compile": False, "n_ckpt": L, "eager_head": False,
+                "fused": True}
+    v = UPDATE_ROW.fullmatch(row)
+    n_ckpt = 0 if v["nockpt"] else L if v["ckpt"] is None else int(v["ckpt"])
+    if n_ckpt > L:
+        p.error(f"--rows: {row!r} checkpoints {n_ckpt} blocks of the model's {L}; use N <= {L}")
+    parts = ["nanodapo update" + (" compiled" if v["compiled"] else "")]
+    parts += ["no ckpt"] if n_ckpt == 0 else [] if n_ckpt == L else [f"ckpt {n_ckpt}/{L}"]
+    parts += ["eager head"] if v["eager_head"] else []
+    name = ", ".join(parts) if len(parts) > 1 or v["compiled"] else "nanodapo update_policy"
+    return {"name": name, "compile": bool(v["compiled"]), "n_ckpt": n_ckpt, "eager_head": bool(v["eager_head"]),
+            "fused": None}
+
+
+UPDATE_VARIANTS = {r: update_variant(r) for r in args.rows.split(",")
+                   if r == "update_fused_adam" or UPDATE_ROW.fullmatch(r)}  # bad N: an error before any work
 print(f"params: blocks {N_BLOCKS / 1e9:.3f} B + head {HEAD / 1e9:.3f} B; model FLOPs/step {FLOPS_MODEL / 1e12:.1f} T")
 save()
 
@@ -226,6 +275,45 @@ def profile_step(step_fn) -> dict:
     return out
 
 
+def gib(nbytes: int) -> float:
+    return round(nbytes / 2**30, 3)
+
+
+def memory_step(name, step_fn) -> dict:
+    """One step under the CUDA memory history (Python stacks): peak_breakdown of it, its top 15 sites in GiB."""
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python",
+                                             max_entries=args.memory_entries, clear_history=True)
+    try:
+        step_fn()
+        sync(device)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    b = peak_breakdown(snap, torch.cuda.current_device())
+    top = list(b["by_label"].items())[:15]
+    out = {"peak_GiB": gib(b["peak_bytes"]), "max_memory_allocated_GiB": gib(torch.cuda.max_memory_allocated()),
+           "resident_before_step_GiB": gib(b["resident_bytes"]), "events": b["events"],
+           "truncated": b["events"] >= args.memory_entries, "top_GiB": {k: gib(v) for k, v in top},
+           "rest_GiB": gib(b["peak_bytes"] - sum(v for _, v in top)), "labels": len(b["by_label"])}
+    print(f"  memory at the peak: {out['peak_GiB']} GiB (max_memory_allocated {out['max_memory_allocated_GiB']}), "
+          f"{out['resident_before_step_GiB']} GiB resident before the step; {out['events']} events")
+    if out["truncated"]:
+        print(f"  WARNING: the history filled its {args.memory_entries} entries; raise --memory-entries (the "
+              "resident share is wrong when the step's start was overwritten)")
+    for k, v in out["top_GiB"].items():
+        print(f"    {v:8.3f} GiB  {k}")
+    print(f"    {out['rest_GiB']:8.3f} GiB  the other {max(0, out['labels'] - len(top))} sites")
+    if args.memory_pickle:
+        stem = re.sub(r"[^\w.-]+", "_", name)
+        path = os.path.join(os.path.dirname(os.path.abspath(OUT)), f"memory_{stem}.pickle")
+        with open(path, "wb") as f:
+            pickle.dump(snap, f)
+        out["pickle"] = path
+    return out
+
+
 def time_steps(name, step_fn, model_params, extra=None):
     """warmup + repeats optimizer steps; record the row."""
     row = {"name": name, **(extra or {})}
@@ -246,10 +334,14 @@ def time_steps(name, step_fn, model_params, extra=None):
         if cuda:
             row["peak_alloc_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-        print(f"{name:28s} step {dt:7.3f} s  {row['tokens_per_s']:10.0f} tok/s  MFU {row['MFU']:.3f}  "
+        print(f"{name:40s} step {dt:7.3f} s  {row['tokens_per_s']:10.0f} tok/s  MFU {row['MFU']:.3f}  "
               f"(steps {row['step_s']}, peak {row.get('peak_alloc_GiB')} GiB, loss {row['loss']:.4f})", flush=True)
         if args.profile:
             row["profile"] = profile_step(step_fn)
+        if args.memory and cuda:
+            row["peak_breakdown"] = memory_step(name, step_fn)
+        elif args.memory:
+            print("  --memory: skipped, the memory history needs CUDA")
     except Exception as e:  # an OOM or a failure costs one row, not the table
         traceback.print_exc()
         RES["errors"][name] = repr(e)[:2000]
@@ -299,7 +391,7 @@ def bare_step_fn(m, opt, packed, ctx):
     return step
 
 
-def update_row(name, precision, m, ctx=contextlib.nullcontext(), fused=None):
+def update_row(name, precision, m, ctx=contextlib.nullcontext(), fused=None, n_ckpt=L):
     traj, tcfg = build_traj(), trainer_cfg()
     opt = torch.optim.AdamW(m.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay,
                             fused=fused)
@@ -314,7 +406,8 @@ def update_row(name, precision, m, ctx=contextlib.nullcontext(), fused=None):
     r = time_steps(name, update_step, list(m.parameters()),
                    {"impl": "nanodapo", "loop": "train_dapo.update_policy", "precision": precision})
     r["row_wall_s"] = round(time.perf_counter() - t0, 1)
-    r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
+    r["HFU"] = round(flops_hw_nano(n_ckpt) / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
+    r["checkpointed_blocks"] = n_ckpt
     r["metrics_last_step"] = {k: v for k, v in last.items() if isinstance(v, (int, float))}
     m.zero_grad(set_to_none=True)  # the optimizer's states go with this function's scope
     free()
@@ -330,17 +423,20 @@ def trainer_model(compile=False):
     return m
 
 
-for row, name, kw in (("update", "nanodapo update_policy", {}),
-                      ("update_fused_adam", "nanodapo update fused AdamW", {"fused": True}),
-                      ("update_compiled", "nanodapo update compiled", {"compile": True}),
-                      ("update_compiled_nockpt", "nanodapo update compiled, no ckpt", {"compile": True, "ckpt": False})):
-    if row in rows:
-        m = trainer_model(compile=kw.get("compile", False))
-        m.gradient_checkpointing = kw.get("ckpt", True)  # off: HFU below still counts a recompute that does not run
-        update_row(name, "FSDP2 bf16 compute, fp32 master" + (", compiled" if "compile" in kw else ""), m,
-                   fused=kw.get("fused"))
-        del m
-        free()
+for kw in UPDATE_VARIANTS.values():
+    if kw["compile"] and not cuda:  # inductor's CPU backend compiles C++ for minutes: not a smoke test
+        print(f"{kw['name']}: skipped, torch.compile rows need an accelerator")
+        RES.setdefault("skipped", {})[kw["name"]] = "torch.compile rows need an accelerator"
+        continue
+    m = trainer_model(compile=kw["compile"])
+    m.gradient_checkpointing = kw["n_ckpt"]  # the first n_ckpt decoder blocks
+    if kw["eager_head"]:
+        m.logprob_chunk_fn = None
+    precision = "FSDP2 bf16 compute, fp32 master" + (", compiled" if kw["compile"] else "") + (
+        " (eager head)" if kw["eager_head"] else "")
+    update_row(kw["name"], precision, m, fused=kw["fused"], n_ckpt=kw["n_ckpt"])
+    del m
+    free()
 
 if "update_autocast" in rows:
     update_row("nanodapo update autocast", "fp32 master + bf16 autocast", nano, ctx_auto)
@@ -351,7 +447,7 @@ if "bare" in rows:
     r = time_steps("nanodapo bare", bare_step_fn(nano, opt, nano_packed(), ctx_auto), list(nano.parameters()),
                    {"impl": "nanodapo", "loop": "forward(target_ids) + token-mean -logp + backward + AdamW",
                     "precision": "fp32 master + bf16 autocast"})
-    r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
+    r["HFU"] = round(flops_hw_nano(L) / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
     del opt
     nano.zero_grad(set_to_none=True)
     reset_weights(nano)
@@ -363,7 +459,7 @@ if "bare_bf16" in rows:
     opt = torch.optim.AdamW(nb.parameters(), lr=1e-6, weight_decay=0.1)
     r = time_steps("nanodapo bare bf16", bare_step_fn(nb, opt, nano_packed(), contextlib.nullcontext()),
                    list(nb.parameters()), {"impl": "nanodapo", "loop": "bare", "precision": "pure bf16"})
-    r["HFU"] = round(FLOPS_HW_NANO / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
+    r["HFU"] = round(flops_hw_nano(L) / r["median_step_s"] / PEAK, 4) if "median_step_s" in r else None
     del opt, nb
     free()
 
@@ -471,14 +567,14 @@ print(f"\n=== actor update, {RES['device']}, {cfg.num_params() / 1e9:.2f} B para
       f"{NTOK} tokens per optimizer step in {len(MBS)} micro-batches of <= {args.token_budget} tokens, gradient "
       f"checkpointing; median of {args.repeats} steps after {args.warmup}; peak {PEAK / 1e12:.0f} TFLOP/s bf16 "
       f"matmul (measured) ===")
-print(f"{'row':28s} {'precision':28s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'MFU nonemb':>10s} {'HFU':>6s} "
+print(f"{'row':40s} {'precision':44s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'MFU nonemb':>10s} {'HFU':>6s} "
       f"{'peak GiB':>8s}")
 for r in RES["rows"].values():
     if "median_step_s" not in r:
-        print(f"{r['name']:28s} failed: {r.get('error', '')[:80]}")
+        print(f"{r['name']:40s} failed: {r.get('error', '')[:80]}")
         continue
     hfu = f"{r['HFU']:.3f}" if r.get("HFU") is not None else "-"
-    print(f"{r['name']:28s} {r.get('precision', ''):28s} {r['median_step_s']:8.3f} {r['tokens_per_s']:10.0f} "
+    print(f"{r['name']:40s} {r.get('precision', ''):44s} {r['median_step_s']:8.3f} {r['tokens_per_s']:10.0f} "
           f"{r['MFU']:6.3f} {r['MFU_nonemb']:10.3f} {hfu:>6s} {str(r.get('peak_alloc_GiB', '-')):>8s}")
 print("errors:", RES["errors"] or "none")
 a, b = RES["rows"].get("nanodapo update_policy", {}), RES["rows"].get("transformers", {})
