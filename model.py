@@ -554,7 +554,8 @@ class Transformer(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # tied embeddings: no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.gradient_checkpointing = False  # activation checkpointing per decoder block
+        self.gradient_checkpointing = False  # activation checkpointing: every block (True), none, or the first N (int)
+        self.logprob_chunk_fn = None  # the log-prob head's chunk function; None: eager (parallel.apply_compile sets one)
         self.sp_group = None  # sequence parallelism, set by parallel.apply_sp: packed log-prob forwards split tokens
         self.inv_freq = rope_inv_freq(cfg)  # fp32, a plain attribute so that .to(bf16) never rounds it
 
@@ -600,13 +601,15 @@ class Transformer(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
         x = self.model.embed_tokens(input_ids)
+        ckpt = self.gradient_checkpointing
+        n_ckpt = (len(self.model.layers) if ckpt is True else int(ckpt)) if torch.is_grad_enabled() else 0
         for i, layer in enumerate(self.model.layers):
             kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else None
             # an empty list per layer: FSDP rebuilds containers that hold tensors needing grad before a block runs,
             # and a recompute's appends land in it, not in the caller's list
             mine = None if router_loads is None else []
             args = (x, cos, sin, batch, kv_cache, mine, None if routed_experts is None else routed_experts[:, :, i])
-            if self.gradient_checkpointing and torch.is_grad_enabled():
+            if i < n_ckpt:
                 x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
                 x = layer(*args)
@@ -619,7 +622,7 @@ class Transformer(nn.Module):
             return F.linear(h, self.output_weight)
         # computed here (inside forward) so FSDP has the output weight unsharded
         logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.output_weight, target_ids.flatten(),
-                                               temperature, logprob_chunk, with_entropy)
+                                               temperature, logprob_chunk, with_entropy, self.logprob_chunk_fn)
         if sp_group is not None:  # every rank gets the whole row (padding dropped), hence the same loss
             logp, ent = (t if t is None else _GatherTokens.apply(t, sp_group)[:T] for t in (logp, ent))
         return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
@@ -638,11 +641,12 @@ def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy:
 
 
 def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
-                               with_entropy: bool = False):
+                               with_entropy: bool = False, chunk_fn=None):
     """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32, of
     logits / temperature (what the rollout engines sample from). Under autograd each chunk is recomputed in
-    backward, so only one chunk of fp32 logits exists at any time."""
-    fn = _chunk_logprob_entropy
+    backward, so only one chunk of fp32 logits exists at any time. chunk_fn: _chunk_logprob_entropy or a compiled
+    copy of it."""
+    fn = chunk_fn or _chunk_logprob_entropy
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fn = functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)
     parts = [fn(hidden[s:s + chunk], weight, target_ids[s:s + chunk], temperature, with_entropy)

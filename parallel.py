@@ -27,6 +27,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import model as M
+
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
@@ -379,10 +381,12 @@ def reduce_router_loads(router_loads: list, group) -> list:
 
 
 def apply_compile(model):
-    """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod prefix).
-    Blocks, as torchtitan: they are alike, so all share one graph and compile time is that of one block."""
+    """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod prefix)
+    and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one graph and compile
+    time is that of one block."""
     for block in model.model.layers:
         block.compile()
+    model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy)
 
 
 def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False,

@@ -33,20 +33,22 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     world_size GPUs of gpu_gib GiB -> {"gib": {term: GiB}, "phase": {term: phase}, "host_gib", "training_gib",
     "generation_gib", "peak_gib", "verdict", "largest", "knob", "notes", "gradient_checkpointing", ...}; peak =
     resident + max(training, generation). README.md "The memory plan" states each term's formula. A bad mesh raises
-    ValueError. gradient_checkpointing="auto" is planned off where the peak without it is within 85% of the GPU
-    (headroom for what the plan does not see), else on."""
+    ValueError. gradient_checkpointing="auto" checkpoints the fewest blocks (the first N) for which the peak is within
+    85% of the GPU (headroom for what the plan does not see), False for none, at most all but the last: backward
+    recomputes the last block right after its forward, so checkpointing it saves nothing."""
+    m, L = model_cfg, model_cfg.num_hidden_layers
     if cfg.gradient_checkpointing == "auto":
-        off = memory_plan(dataclasses.replace(cfg, gradient_checkpointing=False), model_cfg, world_size, gpu_gib,
-                          runtime_gib, engine)
-        cfg = dataclasses.replace(cfg, gradient_checkpointing=off["peak_gib"] > 0.85 * gpu_gib)
-    m = model_cfg
+        n = next((n for n in range(L - 1) if memory_plan(dataclasses.replace(cfg, gradient_checkpointing=n), m,
+                                                         world_size, gpu_gib, runtime_gib, engine)["peak_gib"]
+                  <= 0.85 * gpu_gib), L - 1)
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=n or False)
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
     dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads, ep_size=ep,
                              num_experts=m.num_experts)
     fsdp = dp * sp
     w = 4 if cfg.dtype == "float32" else 2
     P = m.num_params()
-    h, hd, L, E, k = m.hidden_size, m.head_dim, m.num_hidden_layers, m.num_experts, m.num_experts_per_tok
+    h, hd, E, k = m.hidden_size, m.head_dim, m.num_experts, m.num_experts_per_tok
     q, kv = m.num_attention_heads * hd, m.num_key_value_heads * hd
     n_moe = sum(map(m.is_moe_layer, range(L)))
     attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0)  # split by TP
@@ -74,11 +76,13 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
     split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
     sparse = 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E  # a MoE layer's MLP, top-k experts a token
-    per_token = [16 * h + (split + 8 * m.intermediate_size) / tp] * (n_moe < L) + \
-        [16 * h + split / tp + sparse] * (n_moe > 0)
-    layers = [(L - n_moe) * per_token[0]] * (n_moe < L) + [n_moe * per_token[-1]] * (n_moe > 0)
+    dense, moe = 16 * h + (split + 8 * m.intermediate_size) / tp, 16 * h + split / tp + sparse  # bytes a token
+    per_token = [moe if m.is_moe_layer(i) else dense for i in range(L)]
     scale = local * w / 2  # bytes counted for bf16 above; w / 2 scales them
-    acts = local * h * w * L + max(per_token) * scale if cfg.gradient_checkpointing else sum(layers) * scale
+    ckpt = cfg.gradient_checkpointing
+    n_ckpt = L if ckpt is True else int(ckpt)  # the first n_ckpt blocks keep only their input
+    # backward runs last block first: the others' activations are gone before the first recompute
+    acts = local * h * w * n_ckpt + max(sum(per_token[n_ckpt:]), max(per_token[:n_ckpt], default=0)) * scale
     gib["activations"] = acts / GiB
     gib["a2a_buffers"] = 2 * local * k * h * w / GiB if ep > 1 else 0.0
     gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
@@ -149,7 +153,7 @@ def _memory_knob(term: str, cfg, moe: bool = False) -> str:
         return ("rollout_engine='vllm' with gen_tp > 1 (each engine splits the weights over gen_tp GPUs; the "
                 "built-in engine holds a full copy on every GPU)")
     if term == "activations":
-        if not cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing is not True:
             return "gradient_checkpointing=True"
         return f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)"
     if term == "logprob_buffer":

@@ -382,38 +382,44 @@ class VLLMEngine:
         return nbytes
 
     def requests(self, prompts: list[list[int]], params: SamplingParams):
-        """vLLM's (prompts, sampling params) for a generate call: one request per sample."""
+        """vLLM's (prompts, sampling params) for a generate call: n requests of one sample per prompt, in our order
+        (the prefix cache shares the prompt's KV), under one SamplingParams without a seed: vLLM draws a seeded
+        request's noise in a Python loop over the rows every decode step, so generate seeds the call instead.
+        flat_logprobs: flat lists, not a dict and a Logprob object per token."""
         from vllm import SamplingParams as VLLMSamplingParams
-        # n requests of one sample, seeded seed + index alike on every TP rank, in our order (the prefix cache
-        # shares the prompt's KV); flat_logprobs: flat lists, not a dict and a Logprob object per token
-        requests, sampling = [], []
-        for i, p in enumerate(prompts):
-            for j in range(params.n):
-                requests.append({"prompt_token_ids": list(p)})
-                sampling.append(VLLMSamplingParams(
-                    n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-                    max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
-                    ignore_eos=params.ignore_eos, detokenize=False, logprobs=0 if params.logprobs else None,
-                    flat_logprobs=True, seed=None if params.seed is None else params.seed + i * params.n + j))
-        return requests, sampling
+        sampling = VLLMSamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+            max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+            detokenize=False, logprobs=0 if params.logprobs else None, flat_logprobs=True)
+        return [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)], sampling
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
                  ) -> list[list[Completion]]:
         check_version(self.weights_version, version)
         self.wake_up(["kv_cache"])
-        outs = self.llm.generate(*self.requests(prompts, params), use_tqdm=False)
-        flat = []
-        for o in outs:
-            c = o.outputs[0]
-            logp = _sampled_logprobs(c.logprobs) if params.logprobs else None
-            routed = getattr(c, "routed_experts", None)  # with enable_return_routed_experts (router replay)
-            if routed is not None and not routed.any():  # top-k ids are distinct, so a recorded row is never all 0
-                raise RuntimeError("vLLM returned no routing (all expert ids 0): its MoE kernel does not record it; "
-                                   "use the Triton MoE backend, or router_replay=False")
-            flat.append(Completion(token_ids=list(c.token_ids), logprobs=logp,
-                                   finish_reason="stop" if c.finish_reason == "stop" else "length",
-                                   routed_experts=None if routed is None else torch.from_numpy(routed)))
-        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+        # vLLM samples unseeded requests from torch's default generator (alike on every TP rank); the trainer's
+        # random state is restored afterwards
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            outs = self.llm.generate(*self.requests(prompts, params), use_tqdm=False)
+        return vllm_completions(outs, params)
+
+
+def vllm_completions(outs, params: SamplingParams) -> list[list[Completion]]:
+    """vLLM's RequestOutputs of VLLMEngine.requests -> n Completions per prompt."""
+    flat = []
+    for o in outs:
+        c = o.outputs[0]
+        routed = getattr(c, "routed_experts", None)  # with enable_return_routed_experts (router replay)
+        if routed is not None and not routed.any():  # top-k ids are distinct, so a recorded row is never all 0
+            raise RuntimeError("vLLM returned no routing (all expert ids 0): its MoE kernel does not record it; "
+                               "use the Triton MoE backend, or router_replay=False")
+        flat.append(Completion(token_ids=list(c.token_ids),
+                               logprobs=_sampled_logprobs(c.logprobs) if params.logprobs else None,
+                               finish_reason="stop" if c.finish_reason == "stop" else "length",
+                               routed_experts=None if routed is None else torch.from_numpy(routed)))
+    return [flat[i * params.n:(i + 1) * params.n] for i in range(len(flat) // params.n)]
 
 
 def _sampled_logprobs(lp) -> list[float]:

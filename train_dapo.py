@@ -115,7 +115,7 @@ class Config:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0  # max global grad norm (> 0; float("inf") = no clipping); a non-finite norm skips the update
-    gradient_checkpointing: bool | str = True  # per decoder block; "auto": off where the memory plan fits without it
+    gradient_checkpointing: bool | int | str = True  # all blocks, none, the first N, or "auto" (fewest that fit)
     logprob_chunk: int = 1024  # tokens per chunk of the fp32 log-prob/entropy computation
     # sampling
     temperature: float = 1.0
@@ -1391,7 +1391,7 @@ CHOICES = {"loss_agg_mode": AGG_MODES, "kl_loss_type": KL_TYPES, "kl_penalty": K
            "filter_groups_metric": FILTER_METRICS, "truncation": data.TRUNCATION_MODES,
            "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch", "vllm"),
            "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32"),
-           "gradient_checkpointing": (True, False, "auto")}
+           "gradient_checkpointing": (True, False, "auto", "an int N: the first N blocks")}
 LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -1406,7 +1406,8 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
         v = getattr(cfg, k)
         need(ok(v) and (not isinstance(v, float) or not math.isnan(v)), f"{k}={v!r} must be {allowed}")
     for k, allowed in CHOICES.items():
-        need(getattr(cfg, k) in allowed, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(map(str, allowed))}")
+        need(getattr(cfg, k) in allowed or k == "gradient_checkpointing" and type(cfg.gradient_checkpointing) is int
+             and cfg.gradient_checkpointing >= 0, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(map(str, allowed))}")
     for lg in cfg.logger:
         need(lg in LOGGERS, f"logger {lg!r}; choose from {', '.join(LOGGERS)}")
         need(LOGGERS[lg] is None or importlib.util.find_spec(LOGGERS[lg]) is not None,
@@ -1488,6 +1489,9 @@ def validate_model_dir(cfg: Config, world_size: int):
     for knob in ("router_aux_loss", "router_replay"):
         if getattr(cfg, knob) and not model_cfg.num_experts:
             raise ConfigError(f"{knob}=True but {cfg.model_path} is not a mixture-of-experts model; remove it")
+    if type(cfg.gradient_checkpointing) is int and cfg.gradient_checkpointing > model_cfg.num_hidden_layers:
+        raise ConfigError(f"gradient_checkpointing={cfg.gradient_checkpointing} is more blocks than the model's "
+                          f"{model_cfg.num_hidden_layers}; use at most that, or True")
     context = cfg.max_prompt_length + cfg.max_response_length
     if context > model_cfg.max_position_embeddings:
         raise ConfigError(f"max_prompt_length + max_response_length = {context} exceeds the model's context, "

@@ -1,6 +1,7 @@
 """configs/*.py: every recipe parses and validates at its own world size; the 32B recipe's batch arithmetic; the
 --dry_run memory planner (plan.memory_plan) on a tiny made-up model, by hand; model.KNOWN_CONFIGS against the
 published parameter counts."""
+import dataclasses
 import glob
 import os
 
@@ -286,16 +287,31 @@ def test_qwen3_235b_recipe_plan():
     assert not any("fewer than n" in note for note in big["notes"])
 
 
-def test_gradient_checkpointing_auto_is_off_only_where_the_plan_without_it_fits_in_85_percent():
-    mc = tiny_model()
-    off = plan.memory_plan(tiny_cfg(gradient_checkpointing=False), mc, 8, gpu_gib=80, runtime_gib=0)
-    on = plan.memory_plan(tiny_cfg(gradient_checkpointing=True), mc, 8, gpu_gib=80, runtime_gib=0)
-    assert off["peak_gib"] > on["peak_gib"]  # the built-in engine's terms do not depend on the GPU size
-    roomy = plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, off["peak_gib"] / 0.80, runtime_gib=0)
-    tight = plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, off["peak_gib"] / 0.90, runtime_gib=0)
-    assert roomy["gradient_checkpointing"] is False and roomy["gib"] == off["gib"]
-    assert tight["gradient_checkpointing"] is True and tight["gib"] == on["gib"]
-    assert "gradient_checkpointing" in plan.format_memory_plan([roomy, tight])
+def test_gradient_checkpointing_auto_checkpoints_the_fewest_blocks_that_fit_in_85_percent():
+    mc = dataclasses.replace(tiny_model(), num_hidden_layers=8)
+    peaks = [plan.memory_plan(tiny_cfg(gradient_checkpointing=n), mc, 8, gpu_gib=80, runtime_gib=0)["peak_gib"]
+             for n in range(9)]
+    assert all(a > b for a, b in zip(peaks[:8], peaks[1:8]))  # a checkpointed block keeps only its input, ...
+    assert peaks[8] > peaks[7]  # ... but the last one's recompute comes right after its forward: no saving
+    for n, ckpt in ((0, False), (8, True)):
+        assert peaks[n] == plan.memory_plan(tiny_cfg(gradient_checkpointing=ckpt), mc, 8, 80, 0)["peak_gib"]
+
+    def auto(gpu_gib):
+        p = plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, gpu_gib, runtime_gib=0)
+        return p["gradient_checkpointing"], p["peak_gib"]
+    assert auto(peaks[0] / 0.80) == (False, peaks[0])
+    assert auto((peaks[2] + peaks[3]) / 2 / 0.85) == (3, peaks[3])  # 3 checkpointed blocks fit in 85%, 2 do not
+    assert auto(peaks[7] / 2) == (7, peaks[7])  # nothing fits: the least memory
+    assert "gradient_checkpointing" in plan.format_memory_plan(
+        [plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, peaks[3] / 0.85, runtime_gib=0)])
+
+
+def test_gradient_checkpointing_takes_a_block_count_up_to_the_model_depth(tiny_dir):
+    T.validate(T.Config(gradient_checkpointing=1), check_files=False)
+    with pytest.raises(T.ConfigError, match=r"gradient_checkpointing=-1.*an int N"):
+        T.validate(T.Config(gradient_checkpointing=-1), check_files=False)
+    with pytest.raises(T.ConfigError, match="gradient_checkpointing=3 is more blocks than the model's 2"):
+        T.validate_model_dir(T.Config(model_path=str(tiny_dir / "model"), gradient_checkpointing=3), 1)
 
 
 def test_memory_plan_of_an_asynchronous_run_puts_the_engine_on_the_generator_gpus():

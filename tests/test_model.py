@@ -143,6 +143,26 @@ def test_activation_checkpointing_gives_same_gradients():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_checkpointing_the_first_n_blocks_recomputes_only_those(monkeypatch):
+    cfg = M.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2)
+    m = M.Transformer(cfg).init_weights(seed=0)
+    ids = torch.randint(0, 40, (2, 10))
+    m(ids).square().mean().backward()
+    ref = [p.grad.clone() for p in m.parameters()]
+    calls = []
+    for layer in m.model.layers:
+        monkeypatch.setattr(layer, "forward", lambda *a, f=layer.forward, i=len(calls): calls.append(i) or f(*a))
+        calls.append(None)
+    calls.clear()
+    m.zero_grad()
+    m.gradient_checkpointing = 2
+    m(ids).square().mean().backward()
+    assert calls == [0, 1, 2, 1, 0]  # forward of all three, then in backward the recompute of blocks 1 and 0 only
+    for a, p in zip(ref, m.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-6)
+
+
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
     with pytest.raises(ValueError, match="MistralForCausalLM.*Qwen2ForCausalLM"):
