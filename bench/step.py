@@ -44,7 +44,9 @@ p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--timeout", type=int, default=480, help="seconds per side at most")
 p.add_argument("--budget", type=int, default=570,
                help="seconds for the whole script: a side gets what is left")
-p.add_argument("--nanodapo-args", default="", help="extra --key=value overrides for train_dapo.py, space-separated")
+p.add_argument("--nanodapo-args", default="",
+               help='extra --key=value overrides for train_dapo.py, space-separated; give them with "=", as in '
+                    '--nanodapo-args="--compile=True --gradient_checkpointing=auto"')
 p.add_argument("--trl-vllm-gpu-mem", type=float, default=0.3, help="TRL vllm_gpu_memory_utilization (TRL's default)")
 p.add_argument("--trl-dtype", default="float32", help="TRL model dtype (float32 = fp32 master + bf16 autocast)")
 p.add_argument("--merge", nargs="*", default=[], help="earlier --out JSON files whose sides join this table")
@@ -103,6 +105,9 @@ def trl_worker():
           flush=True)
 
     G, P, mb = args.n, args.prompts, args.micro_batch
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    # transformers renames gradient_checkpointing to activation_checkpointing: use the name this version has
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     want = dict(
         output_dir=os.path.join(args.work, "trl_vllm_out" if args.use_vllm else "trl_out"),
         per_device_train_batch_size=mb, gradient_accumulation_steps=P * G // mb, num_generations=G,
@@ -110,8 +115,7 @@ def trl_worker():
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group", num_iterations=1,
         mask_truncated_completions=False, temperature=1.0, top_p=1.0,
-        bf16=cuda, use_cpu=not cuda, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=cuda, use_cpu=not cuda, **{ckpt: True, f"{ckpt}_kwargs": {"use_reentrant": False}},
         model_init_kwargs={"dtype": args.trl_dtype, "attn_implementation": "sdpa"},
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",
         seed=0, dataloader_num_workers=0, log_completions=False, disable_tqdm=True,
@@ -120,7 +124,6 @@ def trl_worker():
     )
     if args.use_vllm:  # TRL reads token ids only; vLLM need not detokenize ids a random model samples
         want["generation_kwargs"] = {"detokenize": False}
-    known = {f.name for f in dataclasses.fields(GRPOConfig)}
     res["config_dropped"] = sorted(k for k in want if k not in known)
     if res["config_dropped"]:
         print(f"GRPOConfig has no {res['config_dropped']}: left out", flush=True)
@@ -295,12 +298,13 @@ def nanodapo_side(name, engine):
     if rc != 0 or len(rows) < args.steps:
         side["error"] = f"rc {rc}, {len(rows)} steps logged; log tail:\n" + "\n".join(tail[-25:])
         RES["errors"][name] = side["error"]
-    phases = ("step", "gen", "reward", "old_logp", "ref", "update", "sync")
+    phases = ("step", "gen", "reward", "old_logp", "ref", "update", "sync", "wake_sleep", "other")
     side["per_step"] = {ph: [round(r.get(f"timing/{ph}", 0.0), 4) for r in rows] for ph in phases}
     side["median"] = {ph: median_after_first(v) for ph, v in side["per_step"].items()}
     side["response_length_mean"] = [r.get("response_length/mean") for r in rows]
     side["clip_ratio"] = [r.get("response_length/clip_ratio") for r in rows]
-    side["peak_alloc_GiB"] = max((r.get("perf/max_memory_allocated_gib", 0) for r in rows), default=None)
+    peaks = [r["perf/max_memory_allocated_gib"] for r in rows if "perf/max_memory_allocated_gib" in r]  # GPU only
+    side["peak_alloc_GiB"] = max(peaks, default=None)
     side["reward_mean"] = [r.get("train/score_mean") for r in rows]
     return side
 
