@@ -90,7 +90,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
     gib["kv_cache"] = rows * seq * kv_token / GiB
     vllm = engine == "vllm"
-    gib["vllm_asleep"] = 1.0 if vllm else 0.0
+    gib["vllm_asleep"] = 1.0 if vllm and cfg.free_cache_engine else 0.0
     gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0
     largest = max(m.vocab_size * h, 2 * m.moe_intermediate_size * h * E)  # gathered whole by the push
     gib["sync_bucket"] = (min(cfg.weight_sync_bucket_mb * 2**20, w * P) + w * largest) / GiB if vllm else 0.0
@@ -99,6 +99,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
         gib["engine_weights"] = gib["kv_cache"] = 0.0
 
     phase = {k: MEMORY_TERMS[k][0] for k in gib}
+    if not cfg.free_cache_engine:  # the engine stays awake through training
+        phase["vllm_awake"] = phase["kv_cache"] = "resident"
     total = {p: sum(v for k, v in gib.items() if phase[k] == p) for p in ("resident", "training", "generation")}
     peak_phase = "training" if total["training"] >= total["generation"] else "generation"
     peak = total["resident"] + total[peak_phase]
@@ -181,7 +183,7 @@ def format_memory_plan(plans: list[dict]) -> str:
            f"{per_gpu}, KV cache {p0['kv_rows']} rows",
            f"  {'':11}{'':38}" + cols(head)]
     for phase in ("resident", "training", "generation"):
-        for i, (term, (ph, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items() if v[0] == phase):
+        for i, (term, (_, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items() if p0["phase"][t] == phase):
             out.append(f"  {phase if i == 0 else '':11}{label:38}" + cols(f"{p['gib'][term]:.2f}" for p in plans))
     for key, label in (("host_gib", "host (offloaded states), per GPU"), ("resident_gib", "resident"),
                        ("training_gib", "training phase"), ("generation_gib", "generation phase"),

@@ -129,6 +129,7 @@ class Config:
     rollout_engine: str = "auto"  # auto (vllm on CUDA when installed, else torch) | torch (built-in) | vllm
     max_num_seqs: int = 256  # sequences an engine decodes at once
     weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size
+    free_cache_engine: bool = True  # the engine frees its KV cache (vLLM: and weights) after each rollout
     # vLLM engine (rollout_engine="vllm"): world_size / gen_tp engines, colocated with training
     gen_tp: int = 1  # tensor parallel size of one engine (verl: rollout.tensor_model_parallel_size)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU for vLLM's weights + KV cache while it is awake
@@ -421,8 +422,9 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
         engine.wake_up(["kv_cache"])
     traj, counts = generate_share(run, cfg, prompts, params, dims.rank // run.gen_tp, dims.world_size // run.gen_tp,
                                   version=version, group_offset=group_offset, timing=timing)
-    with timed("wake_sleep", timing):
-        engine.sleep()
+    if cfg.free_cache_engine:  # else it stays awake: no wake or sleep next time, the pushes only
+        with timed("wake_sleep", timing):
+            engine.sleep()
     mine = (traj, counts) if dims.rank % run.gen_tp == 0 else None  # the TP ranks of an engine hold copies
     parts = engine_results(parallel.all_gather_objects(mine, dims), run.gen_tp)
     traj = concat_trajectories([t for t, _ in parts if len(t)], cfg.max_response_length)

@@ -209,6 +209,22 @@ def test_memory_plan_with_the_vllm_engine():
     assert any(f"~{kv_gib:.0f} GiB of KV cache = {seqs:.0f} sequences" in n for n in p["notes"])
 
 
+def test_memory_plan_of_an_engine_that_stays_awake():
+    """free_cache_engine=False: vLLM's pool (or the built-in engine's KV cache) is resident through training."""
+    for engine, awake in (("vllm", "vllm_awake"), ("torch", "kv_cache")):
+        freed = plan.memory_plan(tiny_cfg(), tiny_model(), 8, gpu_gib=80, runtime_gib=0, engine=engine)
+        kept = plan.memory_plan(tiny_cfg(free_cache_engine=False), tiny_model(), 8, gpu_gib=80, runtime_gib=0,
+                                engine=engine)
+        asleep = freed["gib"]["vllm_asleep"]
+        assert kept["phase"][awake] == "resident" and kept["gib"]["vllm_asleep"] == 0
+        assert kept["resident_gib"] == pytest.approx(freed["resident_gib"] - asleep + freed["gib"][awake])
+        assert kept["peak_gib"] == pytest.approx(kept["resident_gib"] + max(kept["training_gib"],
+                                                                            kept["generation_gib"]))
+        assert kept["training_gib"] == freed["training_gib"]  # now on top of the engine's memory, not beside it
+        text = plan.format_memory_plan([kept])  # the awake term is printed among the resident ones
+        assert text.index("resident") < text.index(plan.MEMORY_TERMS[awake][1]) < text.index("training")
+
+
 def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
     cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen32b.py")])
     mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])

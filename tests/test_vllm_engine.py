@@ -145,11 +145,12 @@ def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
         eng.wake_up(["weights"])
 
 
+@pytest.mark.parametrize("free_cache_engine", [True, False])
 def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(monkeypatch, tiny_dir, tmp_path,
-                                                                              capsys):
+                                                                              capsys, free_cache_engine):
     install(monkeypatch)
     T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=2, rollout_engine="vllm", save_freq=-1,
-                    test_freq=1, tis_imp_ratio_cap=2.0))
+                    test_freq=1, tis_imp_ratio_cap=2.0, free_cache_engine=free_cache_engine))
     assert "warning: rollout/logp_mismatch" not in capsys.readouterr().out
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     train_rows = [r for r in rows if "train/acc" in r]
@@ -158,16 +159,22 @@ def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(mo
         assert r["rollout/logp_mismatch"] < 1e-4  # the engine generated with the trainer's current weights
         assert r["timing/sync"] > 0
     calls = fake_vllm.LLM.instances[0].calls
-    # every generate is preceded by wake weights -> pushes -> reset -> wake kv_cache, and followed by sleep(2)
     gens = [i for i, c in enumerate(calls) if c[0] == "generate"]
     assert len(gens) >= 5  # val before training, >= 1 round per step, val after each step
-    for i in gens:
-        assert calls[i + 1] == ("sleep", 2)
-        assert calls[i - 1] == ("wake_up", ("kv_cache",)) and calls[i - 2] == ("reset_prefix_cache",)
-        j = i - 3
-        while calls[j][0] == "load":
-            j -= 1
-        assert j < i - 3 and calls[j] == ("wake_up", ("weights",))
+    if free_cache_engine:  # every generate: wake weights -> pushes -> reset -> wake kv_cache, generate, sleep(2)
+        for i in gens:
+            assert calls[i + 1] == ("sleep", 2)
+            assert calls[i - 1] == ("wake_up", ("kv_cache",)) and calls[i - 2] == ("reset_prefix_cache",)
+            j = i - 3
+            while calls[j][0] == "load":
+                j -= 1
+            assert j < i - 3 and calls[j] == ("wake_up", ("weights",))
+    else:  # woken once, never put to sleep again; a push (and reset) only when the trainer's weights changed
+        assert [c for c in calls if c[0] in ("sleep", "wake_up")] == [
+            ("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
+        pushes = [i for i, c in enumerate(calls) if c[0] == "load"]
+        assert len(pushes) == 3  # the initial weights, then after each of the 2 steps
+        assert all(calls[i + 1] == ("reset_prefix_cache",) for i in pushes)
 
 
 def test_an_engine_with_other_weights_triggers_the_mismatch_warning(monkeypatch, tiny_dir, tmp_path, capsys):
