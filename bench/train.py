@@ -415,7 +415,7 @@ def update_row(name, precision, m, ctx=contextlib.nullcontext(), fused=None, n_c
 
 def trainer_model(compile=False):
     """A copy of the weights as train_dapo.setup builds the policy: FSDP2 over DIMS (bf16 compute, fp32 master)."""
-    m = copy.deepcopy(nano)
+    m = copy.deepcopy(nano).to(device)
     if DIMS.sharded:
         parallel.parallelize(m, DIMS, param_dtype=torch.bfloat16, compile=compile)
     elif compile:
@@ -423,6 +423,7 @@ def trainer_model(compile=False):
     return m
 
 
+nano.cpu()  # on the device, the reference weights would count in every trainer row's memory
 for kw in UPDATE_VARIANTS.values():
     if kw["compile"] and not cuda:  # inductor's CPU backend compiles C++ for minutes: not a smoke test
         print(f"{kw['name']}: skipped, torch.compile rows need an accelerator")
@@ -437,6 +438,7 @@ for kw in UPDATE_VARIANTS.values():
     update_row(kw["name"], precision, m, fused=kw["fused"], n_ckpt=kw["n_ckpt"])
     del m
     free()
+nano.to(device)
 
 if "update_autocast" in rows:
     update_row("nanodapo update autocast", "fp32 master + bf16 autocast", nano, ctx_auto)
