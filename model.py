@@ -555,7 +555,7 @@ class Transformer(nn.Module):
         # tied embeddings: no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False  # activation checkpointing: every block (True), none, or the first N (int)
-        self.logprob_chunk_fn = None  # the log-prob head's chunk function; None: eager (parallel.apply_compile sets one)
+        self.logprob_chunk_fn = None  # the log-prob head's chunk function, None: eager (apply_compile sets one)
         self.sp_group = None  # sequence parallelism, set by parallel.apply_sp: packed log-prob forwards split tokens
         self.inv_freq = rope_inv_freq(cfg)  # fp32, a plain attribute so that .to(bf16) never rounds it
 
@@ -577,7 +577,7 @@ class Transformer(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, position_ids=None, batch: AttnBatch | None = None, *, target_ids=None,
-                temperature: float = 1.0, with_entropy: bool = False, logprob_chunk: int = 1024,
+                temperature: float = 1.0, with_entropy: bool | str = False, logprob_chunk: int = 1024,
                 logits_at: torch.Tensor | None = None, router_loads: list | None = None,
                 routed_experts: torch.Tensor | None = None):
         """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
@@ -632,20 +632,22 @@ class Transformer(nn.Module):
 # token log-probs and entropy, without [tokens, vocab] in fp32 for the whole batch
 
 
-def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy: bool):
+def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy: bool | str):
     logits = (h @ weight.t()).float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if with_entropy == "detached":  # a metric: no graph, which would hold each chunk's logits to the end of backward
+        logits, lse = logits.detach(), lse.detach()
     # H = logsumexp(z) - sum softmax(z) z
     return logp, (lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None)
 
 
 def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
-                               with_entropy: bool = False, chunk_fn=None):
+                               with_entropy: bool | str = False, chunk_fn=None):
     """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32, of
     logits / temperature (what the rollout engines sample from). Under autograd each chunk is recomputed in
-    backward, so only one chunk of fp32 logits exists at any time. chunk_fn: _chunk_logprob_entropy or a compiled
-    copy of it."""
+    backward, so only one chunk of fp32 logits exists at any time. with_entropy="detached": the entropy without a
+    gradient. chunk_fn: _chunk_logprob_entropy or a compiled copy of it."""
     fn = chunk_fn or _chunk_logprob_entropy
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fn = functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)

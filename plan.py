@@ -33,14 +33,13 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     world_size GPUs of gpu_gib GiB -> {"gib": {term: GiB}, "phase": {term: phase}, "host_gib", "training_gib",
     "generation_gib", "peak_gib", "verdict", "largest", "knob", "notes", "gradient_checkpointing", ...}; peak =
     resident + max(training, generation). README.md "The memory plan" states each term's formula. A bad mesh raises
-    ValueError. gradient_checkpointing="auto" checkpoints the fewest blocks (the first N) for which the peak is within
-    85% of the GPU (headroom for what the plan does not see), False for none, at most all but the last: backward
-    recomputes the last block right after its forward, so checkpointing it saves nothing."""
+    ValueError. gradient_checkpointing="auto": the fewest blocks (the first N) for which the peak is within 85% of the
+    GPU (headroom for what the plan does not see), at most all but the last (its recompute follows its forward)."""
     m, L = model_cfg, model_cfg.num_hidden_layers
     if cfg.gradient_checkpointing == "auto":
-        n = next((n for n in range(L - 1) if memory_plan(dataclasses.replace(cfg, gradient_checkpointing=n), m,
-                                                         world_size, gpu_gib, runtime_gib, engine)["peak_gib"]
-                  <= 0.85 * gpu_gib), L - 1)
+        fits = lambda n: memory_plan(dataclasses.replace(cfg, gradient_checkpointing=n), m, world_size,  # noqa: E731
+                                     gpu_gib, runtime_gib, engine)["peak_gib"] <= 0.85 * gpu_gib
+        n = next((n for n in range(L - 1) if fits(n)), L - 1)
         cfg = dataclasses.replace(cfg, gradient_checkpointing=n or False)
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
     dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads, ep_size=ep,

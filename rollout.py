@@ -382,10 +382,9 @@ class VLLMEngine:
         return nbytes
 
     def requests(self, prompts: list[list[int]], params: SamplingParams):
-        """vLLM's (prompts, sampling params) for a generate call: n requests of one sample per prompt, in our order
-        (the prefix cache shares the prompt's KV), under one SamplingParams without a seed: vLLM draws a seeded
-        request's noise in a Python loop over the rows every decode step, so generate seeds the call instead.
-        flat_logprobs: flat lists, not a dict and a Logprob object per token."""
+        """vLLM's (prompts, sampling params): n requests of one sample per prompt in order (the prefix cache shares
+        the prompt's KV), one SamplingParams, no seed (vLLM loops over seeded rows in Python every step: generate
+        seeds the call), flat_logprobs (flat lists, not a dict and a Logprob object per token)."""
         from vllm import SamplingParams as VLLMSamplingParams
         sampling = VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
@@ -397,8 +396,7 @@ class VLLMEngine:
                  ) -> list[list[Completion]]:
         check_version(self.weights_version, version)
         self.wake_up(["kv_cache"])
-        # vLLM samples unseeded requests from torch's default generator (alike on every TP rank); the trainer's
-        # random state is restored afterwards
+        # vLLM samples unseeded requests from torch's default generator (alike on every TP rank); ours is restored
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             if params.seed is not None:
                 torch.manual_seed(params.seed)

@@ -634,7 +634,8 @@ def rank_share(idx: list[int], dims) -> list[int]:
     return idx[dims.dp_rank * per:(dims.dp_rank + 1) * per]
 
 
-def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, with_entropy: bool, router_loads=None):
+def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, with_entropy: bool | str,
+                      router_loads=None):
     """Packed forward of prompt+response for trajectories idx -> (logp, entropy) [len(idx), R] on response tokens.
     router_loads: a list that MoE layers append their routing statistics to (for the load-balancing loss)."""
     seqs = [traj.prompt_ids[i] + traj.response_ids[i] for i in idx]
@@ -708,7 +709,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 mask = traj.response_mask[mb].to(device)
                 mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
                 router_loads = [] if router_aux else None
-                logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=True, router_loads=router_loads)
+                logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=bool(cfg.entropy_coeff) or "detached",
+                                              router_loads=router_loads)
                 logp, ent = logp.float(), ent.float()
                 rollout_logp = traj.rollout_logp[mb].to(device)
                 old_logp = logp.detach() if on_policy else traj.old_logp[mb].to(device)
@@ -1408,8 +1410,9 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
         v = getattr(cfg, k)
         need(ok(v) and (not isinstance(v, float) or not math.isnan(v)), f"{k}={v!r} must be {allowed}")
     for k, allowed in CHOICES.items():
-        need(getattr(cfg, k) in allowed or k == "gradient_checkpointing" and type(cfg.gradient_checkpointing) is int
-             and cfg.gradient_checkpointing >= 0, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(map(str, allowed))}")
+        v = getattr(cfg, k)
+        need(v in allowed or k == "gradient_checkpointing" and type(v) is int and v >= 0,
+             f"{k}={v!r}; choose one of {', '.join(map(str, allowed))}")
     for lg in cfg.logger:
         need(lg in LOGGERS, f"logger {lg!r}; choose from {', '.join(LOGGERS)}")
         need(LOGGERS[lg] is None or importlib.util.find_spec(LOGGERS[lg]) is not None,
@@ -1491,9 +1494,8 @@ def validate_model_dir(cfg: Config, world_size: int):
     for knob in ("router_aux_loss", "router_replay"):
         if getattr(cfg, knob) and not model_cfg.num_experts:
             raise ConfigError(f"{knob}=True but {cfg.model_path} is not a mixture-of-experts model; remove it")
-    if type(cfg.gradient_checkpointing) is int and cfg.gradient_checkpointing > model_cfg.num_hidden_layers:
-        raise ConfigError(f"gradient_checkpointing={cfg.gradient_checkpointing} is more blocks than the model's "
-                          f"{model_cfg.num_hidden_layers}; use at most that, or True")
+    if type(n := cfg.gradient_checkpointing) is int and n > model_cfg.num_hidden_layers:
+        raise ConfigError(f"gradient_checkpointing={n} is more blocks than the model's {model_cfg.num_hidden_layers}")
     context = cfg.max_prompt_length + cfg.max_response_length
     if context > model_cfg.max_position_embeddings:
         raise ConfigError(f"max_prompt_length + max_response_length = {context} exceeds the model's context, "

@@ -99,6 +99,25 @@ def test_logprobs_and_entropy_match_float64_reference():
     assert (ent.double() - ref_ent).abs().max() < 1e-5
 
 
+def test_detached_entropy_is_the_same_value_and_keeps_nothing_for_backward():
+    torch.manual_seed(2)
+    h = torch.randn(20, 8, requires_grad=True)
+    w = torch.randn(30, 8, requires_grad=True)
+    t = torch.randint(0, 30, (20,))
+    saved = []  # what autograd keeps for backward: the recomputed chunk's logits would be the big ones
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        logp, ent = M._chunk_logprob_entropy(h, w, t, 1.0, "detached")
+    _, ent_grad = M._chunk_logprob_entropy(h, w, t, 1.0, True)
+    assert not ent.requires_grad and torch.equal(ent, ent_grad.detach())
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(-x.numel()) or x, lambda x: x):
+        M._chunk_logprob_entropy(h, w, t, 1.0, True)
+    kept_detached = sum(n for n in saved if n > 0)
+    kept_with_grad = -sum(n for n in saved if n < 0)
+    assert kept_with_grad - kept_detached >= 2 * 20 * 30  # the entropy's softmax and logits are not kept
+    logp.sum().backward()
+    assert h.grad is not None and w.grad is not None
+
+
 def test_logprob_gradients_match_unchunked():
     torch.manual_seed(1)
     h = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
