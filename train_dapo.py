@@ -1006,7 +1006,9 @@ def setup(cfg: Config) -> Run:
         gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if sharded else model
         engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not sharded), 1
         log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''})")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                  fused=fused or None)
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * optimizer_steps_per_step(cfg))

@@ -48,9 +48,9 @@ p.add_argument("--repeats", type=int, default=4)
 p.add_argument("--rows", default="update,update_autocast,bare,bare_bf16,hf,hf_bf16",
                help="comma list: update (nanodapo update_policy as the trainer runs it: FSDP2 on a mesh of one, bf16 "
                     "compute, every block checkpointed), update_fused_adam (the same, AdamW fused=True), "
-                    "update[_compiled][_ckpt<N>|_nockpt][_eager_head] (_compiled: each block and the log-prob head "
+                    "update[_compiled][_ckpt<N>|_nockpt][_eager_head][_fused] (_compiled: each block and the log-prob head "
                     "torch.compile'd; _ckpt<N>: only the first N decoder blocks checkpointed, _nockpt: none; "
-                    "_eager_head: compiled blocks, eager log-prob head), update_autocast (a plain fp32 module under "
+                    "_eager_head: compiled blocks, eager log-prob head; _fused: AdamW fused=True), update_autocast (a plain fp32 module under "
                     "bf16 autocast), bare (nanodapo, autocast), bare_bf16, hf (transformers, autocast), hf_bf16")
 p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
 p.add_argument("--seed", type=int, default=0)
@@ -66,7 +66,7 @@ p.add_argument("--memory-pickle", action="store_true",
 p.add_argument("--out", default=None)
 args = p.parse_args()
 UPDATE_ROW = re.compile(r"update(?P<compiled>_compiled)?(?:_ckpt(?P<ckpt>\d+)|(?P<nockpt>_nockpt))?"
-                        r"(?P<eager_head>_eager_head)?")
+                        r"(?P<eager_head>_eager_head)?(?P<fused>_fused)?")
 OTHER_ROWS = ("update_fused_adam", "update_autocast", "bare", "bare_bf16", "hf", "hf_bf16")
 for r in args.rows.split(","):
     v = UPDATE_ROW.fullmatch(r)
@@ -160,9 +160,10 @@ def update_variant(row: str) -> dict:
     parts = ["nanodapo update" + (" compiled" if v["compiled"] else "")]
     parts += ["no ckpt"] if n_ckpt == 0 else [] if n_ckpt == L else [f"ckpt {n_ckpt}/{L}"]
     parts += ["eager head"] if v["eager_head"] else []
+    parts += ["fused AdamW"] if v["fused"] else []
     name = ", ".join(parts) if len(parts) > 1 or v["compiled"] else "nanodapo update_policy"
     return {"name": name, "compile": bool(v["compiled"]), "n_ckpt": n_ckpt, "eager_head": bool(v["eager_head"]),
-            "fused": None}
+            "fused": True if v["fused"] else None}
 
 
 UPDATE_VARIANTS = {r: update_variant(r) for r in args.rows.split(",")
