@@ -38,7 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # EOS ids; the stop token is kept in the response
     ignore_eos: bool = False  # always generate max_tokens (benchmarks)
     seed: int | None = None
-    logprobs: bool = True
+    logprobs: bool | int = True  # the sampled tokens' log-probs: all samples, none, or the first k of each prompt's n
 
 
 @dataclass
@@ -386,11 +386,12 @@ class VLLMEngine:
         the prompt's KV), one SamplingParams, no seed (vLLM loops over seeded rows in Python every step: generate
         seeds the call), flat_logprobs (flat lists, not a dict and a Logprob object per token)."""
         from vllm import SamplingParams as VLLMSamplingParams
-        sampling = VLLMSamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-            max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            detokenize=False, logprobs=0 if params.logprobs else None, flat_logprobs=True)
-        return [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)], sampling
+        kw = dict(n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+                  max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+                  ignore_eos=params.ignore_eos, detokenize=False, flat_logprobs=True)
+        k = params.n if params.logprobs is True else int(params.logprobs)  # per prompt: vLLM's cost is per request
+        group = [VLLMSamplingParams(**kw, logprobs=0)] * min(k, params.n) + [VLLMSamplingParams(**kw)] * (params.n - k)
+        return [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)], group * len(prompts)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
                  ) -> list[list[Completion]]:
@@ -414,7 +415,7 @@ def vllm_completions(outs, params: SamplingParams) -> list[list[Completion]]:
             raise RuntimeError("vLLM returned no routing (all expert ids 0): its MoE kernel does not record it; "
                                "use the Triton MoE backend, or router_replay=False")
         flat.append(Completion(token_ids=list(c.token_ids),
-                               logprobs=_sampled_logprobs(c.logprobs) if params.logprobs else None,
+                               logprobs=None if c.logprobs is None else _sampled_logprobs(c.logprobs),
                                finish_reason="stop" if c.finish_reason == "stop" else "length",
                                routed_experts=None if routed is None else torch.from_numpy(routed)))
     return [flat[i * params.n:(i + 1) * params.n] for i in range(len(flat) // params.n)]

@@ -130,6 +130,8 @@ class Config:
     max_num_seqs: int = 256  # sequences an engine decodes at once
     weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size
     free_cache_engine: bool = True  # the engine frees its KV cache (vLLM: and weights) after each rollout
+    calculate_log_probs: bool = False  # every sample's log-probs from the engine (TIS and token rejection need them);
+    # off: one sample's per group, for rollout/logp_mismatch (each request's cost vLLM Python work every step)
     # vLLM engine (rollout_engine="vllm"): world_size / gen_tp engines, colocated with training
     gen_tp: int = 1  # tensor parallel size of one engine (verl: rollout.tensor_model_parallel_size)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU for vLLM's weights + KV cache while it is awake
@@ -293,8 +295,9 @@ def tis_cap(cfg) -> float:
 
 
 def logp_mismatch(trainer_logp, rollout_logp, mask):
-    """Mean |rollout log-prob - trainer log-prob| over response tokens: how far the engine's policy is from ours."""
-    return token_mean((trainer_logp - rollout_logp).abs(), mask)
+    """Mean |rollout log-prob - trainer log-prob| over response tokens (those the engine gave one for, not NaN): how
+    far the engine's policy is from ours."""
+    return token_mean((trainer_logp - rollout_logp.nan_to_num()).abs(), mask * rollout_logp.isfinite())
 
 
 # -----------------------------------------------------------------------------
@@ -378,7 +381,7 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
     rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
     mask = torch.zeros_like(rollout_logp)
     for i, (_, c) in enumerate(comps):
-        rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs)
+        rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs) if c.logprobs is not None else math.nan
         mask[i, :len(c.token_ids)] = 1
     score = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     overlong = [reward.overlong_penalty(len(c.token_ids), cfg.max_response_length, cfg.overlong_buffer_len,
@@ -404,8 +407,10 @@ def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: Samplin
 
 
 def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
+    every = cfg.calculate_log_probs or tis_cap(cfg) > 0 or cfg.rollout_rs_threshold > 0
     return SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids, seed=seed)
+                          max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids, seed=seed,
+                          logprobs=True if every else 1)
 
 
 def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams, *, version: int,
@@ -733,8 +738,10 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                                               model.config.num_experts_per_tok) / len(mbs)
                     loss = loss + model.config.router_aux_loss_coef * aux
                     terms["router_aux_loss"] = aux.detach() / dims.dp  # every dp rank holds the same value
-                if on_policy:
-                    m["logp_mismatch"] = logp_mismatch(old_logp, rollout_logp, mask)
+                if on_policy:  # over the tokens the engine gave a log-prob for, divided at the end
+                    known = mask * rollout_logp.isfinite()
+                    for k, v in (("mismatch", (old_logp - rollout_logp.nan_to_num()).abs() * known), ("known", known)):
+                        sums[k] = sums.get(k, 0.0) + v.sum()
                 loss.backward()
                 finite &= torch.isfinite(loss.detach())
                 for k, v in m.items():  # per-token means of this micro-batch, weighted by its share of tokens
@@ -750,7 +757,9 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
             scheduler.step()
             grad_norms.append(grad_norm)
     sums = parallel.sum_over_dp(sums, dims)  # the dp ranks' shares add up; TP/SP ranks hold copies
-    out = {("rollout/logp_mismatch" if k == "logp_mismatch" else f"actor/{k}"): v for k, v in sums.items()}
+    out = {f"actor/{k}": v for k, v in sums.items() if k not in ("mismatch", "known")}
+    if "known" in sums:
+        out["rollout/logp_mismatch"] = sums["mismatch"] / max(sums["known"], 1)
     out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": scheduler.get_last_lr()[0],
                 "actor/skipped_updates": skipped})
     return out

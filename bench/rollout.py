@@ -39,6 +39,9 @@ VLLM_VARIANTS = {
     "both": "vllmboth",  # per-request seeds + log-probs (the requests the wrapper built per sample)
     "req": "vllmreq",  # llm.generate of rollout.VLLMEngine.requests (where the wrapper has it)
     "nd": "ndvllm",  # rollout.VLLMEngine.generate: the requests, then the conversion to Completions
+    "ndnolp": "ndvllm_nolp",  # rollout.VLLMEngine.generate without log-probs
+    "grp": "vllmgrp",  # bare llm.generate of B // 8 prompts x 8 samples each (the trainer's groups)
+    "ndgrp": "ndvllm_grp",  # rollout.VLLMEngine.generate of those groups, log-probs of one sample a group (trainer)
     "nogc": "ndvllm_nogc",  # rollout.VLLMEngine.generate with Python's gc disabled during the call
     "convert": "convert",  # the conversion alone of one "req" call's outputs into Completions: convert_s
 }
@@ -313,10 +316,7 @@ def bench_vllm(vllm):
         finally:
             gc.enable()
 
-    if hasattr(R, "vllm_completions"):
-        to_completions, RES["vllm_convert_fn"] = R.vllm_completions, "rollout.vllm_completions"
-    else:
-        to_completions, RES["vllm_convert_fn"] = completions_inline, "a copy of VLLMEngine.generate's loop"
+    to_completions, RES["vllm_convert_fn"] = R.vllm_completions, "rollout.vllm_completions"
     timed_variants = ["bare"] + [v for v in VLLM_VARIANTS if v in variants and v != "convert"]
     if "req" in timed_variants and not hasattr(eng, "requests"):
         timed_variants.remove("req")
@@ -325,6 +325,9 @@ def bench_vllm(vllm):
     for T in Ts:
         for B in Bs:
             ours = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, seed=0)
+            nolp, G = R.SamplingParams(**{**ours.__dict__, "logprobs": False}), 8 if B % 8 == 0 else 1
+            grouped = R.SamplingParams(**{**ours.__dict__, "n": G, "logprobs": 1})
+            groups = PROMPTS[B][:B // G]
             calls = {
                 "bare": lambda: eng.llm.generate(*requests(PROMPTS[B], T, False, False), use_tqdm=False),
                 "seed": lambda: eng.llm.generate(*requests(PROMPTS[B], T, True, False), use_tqdm=False),
@@ -332,14 +335,19 @@ def bench_vllm(vllm):
                 "both": lambda: eng.llm.generate(*requests(PROMPTS[B], T, True, True), use_tqdm=False),
                 "req": lambda: eng.llm.generate(*eng.requests(PROMPTS[B], ours), use_tqdm=False),
                 "nd": lambda: eng.generate(PROMPTS[B], ours, version=0),
+                "ndnolp": lambda: eng.generate(PROMPTS[B], nolp, version=0),
+                "grp": lambda: eng.llm.generate(*requests([p for p in groups for _ in range(G)], T, False, False),
+                                                use_tqdm=False),
+                "ndgrp": lambda: eng.generate(groups, grouped, version=0),
                 "nogc": lambda: without_gc(lambda: eng.generate(PROMPTS[B], ours, version=0)),
             }
             times, last = {v: [] for v in timed_variants}, {}
             for _ in range(repeats(T)):
                 for v in timed_variants:
                     dt, outs = timed(calls[v], device)
-                    completions = v in ("nd", "nogc")
-                    ntok = sum(len(o[0].token_ids if completions else o.outputs[0].token_ids) for o in outs)
+                    completions = v in ("nd", "nogc", "ndnolp", "ndgrp")
+                    ntok = sum(len(c.token_ids) for o in outs for c in o) if completions else \
+                        sum(len(o.outputs[0].token_ids) for o in outs)
                     assert ntok == B * T, (v, ntok, B * T)
                     if v in ("logp", "both", "req"):
                         assert outs[0].outputs[0].logprobs is not None, f"{v}: vLLM returned no log-probs"
@@ -364,20 +372,6 @@ def bench_vllm(vllm):
             print("       calls (s): " + ", ".join(f"{v} {r[KEYS[v] + '_wall_s']}" for v in timed_variants))
             save()
     eng.sleep()
-
-
-def completions_inline(outs, params):
-    """rollout.VLLMEngine.generate's conversion of vLLM outputs to Completions, for a rollout.py without
-    vllm_completions."""
-    flat = []
-    for o in outs:
-        c = o.outputs[0]
-        logp = R._sampled_logprobs(c.logprobs) if params.logprobs else None
-        routed = getattr(c, "routed_experts", None)
-        flat.append(R.Completion(token_ids=list(c.token_ids), logprobs=logp,
-                                 finish_reason="stop" if c.finish_reason == "stop" else "length",
-                                 routed_experts=None if routed is None else torch.from_numpy(routed)))
-    return [flat[i * params.n:(i + 1) * params.n] for i in range(len(flat) // params.n)]
 
 
 # -----------------------------------------------------------------------------

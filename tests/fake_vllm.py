@@ -19,9 +19,10 @@ import rollout as R
 
 
 class SamplingParams:
-    def __init__(self, seed=None, flat_logprobs=False, **kw):
-        self.seed, self.flat_logprobs = seed, flat_logprobs
-        self.__dict__.update(kw)
+    def __init__(self, seed=None, flat_logprobs=False, logprobs=None, **kw):
+        self.seed, self.flat_logprobs, self.logprobs = seed, flat_logprobs, logprobs
+        self.__dict__.update(dict(n=1, temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=[], ignore_eos=False,
+                                  detokenize=True), **kw)  # vLLM's defaults
 
 
 class LLM:
@@ -85,16 +86,16 @@ class LLM:
         sampling = sampling if isinstance(sampling, list) else [sampling] * len(requests)
         self.last_sampling = sampling
         for req, sp in zip(requests, sampling):
-            assert sp.n == 1 and sp.detokenize is False
+            assert sp.n == 1
             c = engine.generate([req["prompt_token_ids"]], R.SamplingParams(
                 n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
                 max_tokens=sp.max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                 seed=sp.seed))[0][0]
-            assert sp.flat_logprobs  # else vLLM returns a {token: Logprob} dict per position, which we do not read
-            # vLLM's FlatLogprobs: flat lists, positions by index ranges (one entry each: logprobs=0)
-            logprobs = SimpleNamespace(start_indices=list(range(len(c.logprobs))),
-                                       end_indices=list(range(1, len(c.logprobs) + 1)),
-                                       token_ids=list(c.token_ids), logprobs=list(c.logprobs))
+            assert sp.flat_logprobs or sp.logprobs is None  # else a {token: Logprob} dict per position, unread
+            # vLLM's FlatLogprobs: flat lists, positions by index ranges (one entry each: logprobs=0); None unasked
+            logprobs = None if sp.logprobs is None else SimpleNamespace(
+                start_indices=list(range(len(c.logprobs))), end_indices=list(range(1, len(c.logprobs) + 1)),
+                token_ids=list(c.token_ids), logprobs=list(c.logprobs))
             routed = self._routing(req["prompt_token_ids"] + list(c.token_ids)[:-1]) \
                 if self.kwargs.get("enable_return_routed_experts") else None
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(c.token_ids), logprobs=logprobs,

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,8 +118,13 @@ def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
             assert (c.token_ids, c.finish_reason) == (want.token_ids, want.finish_reason)
             assert c.logprobs == pytest.approx(want.logprobs, abs=1e-6)
     assert len({tuple(c.token_ids) for c in out[0]}) > 1  # distinct samples
-    # one SamplingParams for all requests, without a seed (a seeded request costs vLLM a Python loop per step)
-    assert all(s is llm.last_sampling[0] and s.seed is None and s.flat_logprobs for s in llm.last_sampling)
+    # no seed per request (a seeded request costs vLLM a Python loop per step), log-probs as flat lists
+    assert all(s.seed is None and s.flat_logprobs and s.logprobs == 0 and s.detokenize is False
+               for s in llm.last_sampling)
+    few = eng.generate(prompts, R.SamplingParams(**{**params.__dict__, "logprobs": 1}), version=0)
+    assert [s.logprobs for s in llm.last_sampling] == [0, None, None] * 2  # the first sample of each prompt's 3
+    assert [c.logprobs is not None for g in few for c in g] == [True, False, False] * 2
+    assert [[c.token_ids for c in g] for g in few] == [[c.token_ids for c in g] for g in out]  # the same samples
     torch.manual_seed(0)
     eng.generate(prompts, params, version=0)
     trainer_draw = torch.rand(3)
@@ -274,3 +280,15 @@ def test_vllm_check_passes_on_the_demo_model_against_the_fake(monkeypatch, tmp_p
     assert sorted(k for k in results if k != "figures") == [
         "changed_weights_change_outputs", "greedy_vs_builtin", "logprobs_vs_trainer", "seed_reproduces_samples",
         "sleep_wake_push_same", "stale_version_raises"]
+
+
+def test_rollout_logprobs_are_asked_for_one_sample_a_group_unless_a_correction_needs_all():
+    tok = SimpleNamespace(eos_token_ids=[2])
+    assert T.train_params(T.Config(), tok, 0).logprobs == 1  # enough for rollout/logp_mismatch
+    for knobs in ({"calculate_log_probs": True}, {"tis_imp_ratio_cap": 2.0}, {"rollout_rs_threshold": 2.0}):
+        assert T.train_params(T.Config(**knobs), tok, 0).logprobs is True
+    nan = float("nan")
+    trainer = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    rollout = torch.tensor([[-1.5, -1.0, -9.0], [nan, nan, nan]])  # the second sample's were not asked for
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert T.logp_mismatch(trainer, rollout, mask).item() == pytest.approx((0.5 + 1.0) / 2)
