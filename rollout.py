@@ -383,25 +383,23 @@ class VLLMEngine:
 
     def requests(self, prompts: list[list[int]], params: SamplingParams):
         """vLLM's (prompts, sampling params): n requests of one sample per prompt in order (the prefix cache shares
-        the prompt's KV), one SamplingParams, no seed (vLLM loops over seeded rows in Python every step: generate
-        seeds the call), flat_logprobs (flat lists, not a dict and a Logprob object per token)."""
+        the prompt's KV), seeded seed + index alike on every TP rank; log-probs for the first params.logprobs of each
+        prompt's n (vLLM's cost is per request), as flat lists (not a dict and a Logprob object per token)."""
         from vllm import SamplingParams as VLLMSamplingParams
-        kw = dict(n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-                  max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
-                  ignore_eos=params.ignore_eos, detokenize=False, flat_logprobs=True)
-        k = params.n if params.logprobs is True else int(params.logprobs)  # per prompt: vLLM's cost is per request
-        group = [VLLMSamplingParams(**kw, logprobs=0)] * min(k, params.n) + [VLLMSamplingParams(**kw)] * (params.n - k)
-        return [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)], group * len(prompts)
+        k = params.n if params.logprobs is True else int(params.logprobs)
+        sampling = [VLLMSamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+            max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+            detokenize=False, logprobs=0 if j < k else None, flat_logprobs=True,
+            seed=None if params.seed is None else params.seed + i * params.n + j)
+            for i in range(len(prompts)) for j in range(params.n)]
+        return [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)], sampling
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
                  ) -> list[list[Completion]]:
         check_version(self.weights_version, version)
         self.wake_up(["kv_cache"])
-        # vLLM samples unseeded requests from torch's default generator (alike on every TP rank); ours is restored
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            outs = self.llm.generate(*self.requests(prompts, params), use_tqdm=False)
+        outs = self.llm.generate(*self.requests(prompts, params), use_tqdm=False)
         return vllm_completions(outs, params)
 
 

@@ -3,8 +3,8 @@
 It behaves like the real engine where the trainer depends on it: a max_model_len above the model's
 max_position_embeddings is refused, "dummy" random weights at start, sleep(2) destroys the weights,
 load_weights takes full tensors in HF's names only (an expert stack as one tensor per expert and projection),
-a request without a seed is sampled from torch's default generator, and the sampled token's log-prob comes back per
-position. It records every call, so the CPU tests can check the engine's bookkeeping and the trainer's
+each request is sampled with its own seed, and the sampled token's log-prob comes back per position (when
+asked for). It records every call, so the CPU tests can check the engine's bookkeeping and the trainer's
 choreography (wake, push, generate, sleep) without a GPU."""
 import importlib.machinery
 import os
