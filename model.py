@@ -278,8 +278,7 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
         cu = batch.cu_seqlens.to(torch.int32)
-        out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL)
-        return out.unsqueeze(0)
+        return varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL).unsqueeze(0)
     if kernel == "npu":  # TND layout, GQA native, lengths as cumulative ends ([2, 4, 6] for 2, 2, 2)
         import torch_npu
         ends = batch.cu_seqlens_list[1:]
@@ -609,10 +608,7 @@ class Transformer(nn.Module):
             # and a recompute's appends land in it, not in the caller's list
             mine = None if router_loads is None else []
             args = (x, cos, sin, batch, kv_cache, mine, None if routed_experts is None else routed_experts[:, :, i])
-            if i < n_ckpt:
-                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
-            else:
-                x = layer(*args)
+            x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if i < n_ckpt else layer(*args)
             if mine is not None:
                 router_loads.extend(mine)
         h = self.model.norm(x)

@@ -593,8 +593,7 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
     """Load shards saved at any world size into this run's sharding, and this rank's RNG state -> the trainer state.
     Every file is checked first, so a bad one raises CheckpointError before the model or optimizer changes. Should
     DCP still fail (bytes corrupted in place), the shards are partly loaded: load another checkpoint, never train on."""
-    problem = checkpoint_problem(path)
-    if problem is not None:
+    if (problem := checkpoint_problem(path)) is not None:
         raise CheckpointError(path, problem)
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     model_sd, optim_sd = get_state_dict(model, optimizer)

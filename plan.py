@@ -66,8 +66,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
              "ref_params": 4 * per_gpu if use_ref else 0}
     gib = {k: 0.0 if offload else v / GiB for k, v in state.items()}
     host_gib = sum(state.values()) / GiB if offload else 0.0
-    gib["engine_weights"] = w * P / GiB
-    gib["runtime"] = runtime_gib
+    gib.update(engine_weights=w * P / GiB, runtime=runtime_gib)
     blocks = [attn / tp + norms + mlp / tp] * (n_moe < L) + [attn / tp + norms + router + experts / ep] * (n_moe > 0)
     gib["working"] = 2 * w * (root + max(blocks)) / GiB
     seq = cfg.max_prompt_length + cfg.max_response_length
@@ -142,9 +141,8 @@ def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     if term in ("params", "grads", "optimizer", "ref_params"):
         return "param_offload=True + optimizer_offload=True (states to the host), or more GPUs (smaller shards)"
     if term == "working":
-        if moe:
-            return "ep_size (splits each MoE layer's experts over ep_size GPUs)"
-        return "tp_size (splits the unsharded block weights), or more GPUs"
+        return ("ep_size (splits each MoE layer's experts over ep_size GPUs)" if moe else
+                "tp_size (splits the unsharded block weights), or more GPUs")
     if term == "a2a_buffers":
         return f"{budget} (rows exchanged per MoE layer), or sp_size"
     if term == "vllm_awake":
@@ -154,9 +152,8 @@ def _memory_knob(term: str, cfg, moe: bool = False) -> str:
         return ("rollout_engine='vllm' with gen_tp > 1 (each engine splits the weights over gen_tp GPUs; the "
                 "built-in engine holds a full copy on every GPU)")
     if term == "activations":
-        if cfg.gradient_checkpointing is not True:
-            return "gradient_checkpointing=True"
-        return f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)"
+        return ("gradient_checkpointing=True" if cfg.gradient_checkpointing is not True else
+                f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)")
     if term == "logprob_buffer":
         return "logprob_chunk"
     if cfg.max_num_seqs > cfg.n:  # kv_cache
@@ -194,6 +191,5 @@ def format_memory_plan(plans: list[dict]) -> str:
         if p["knob"]:
             out.append(f"  {p['gpu_gib']:g} GiB: does not fit by {p['peak_gib'] - p['gpu_gib']:.1f} GiB; largest "
                        f"term: {MEMORY_TERMS[p['largest']][1]} ({p['gib'][p['largest']]:.1f} GiB); turn: {p['knob']}")
-    notes = list(dict.fromkeys(n for p in plans for n in p["notes"]))
-    out += [f"  note: {n}" for n in notes]
+    out += [f"  note: {n}" for n in dict.fromkeys(n for p in plans for n in p["notes"])]  # each note once
     return "\n".join(out)

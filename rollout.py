@@ -399,8 +399,7 @@ class VLLMEngine:
                  ) -> list[list[Completion]]:
         check_version(self.weights_version, version)
         self.wake_up(["kv_cache"])
-        outs = self.llm.generate(*self.requests(prompts, params), use_tqdm=False)
-        return vllm_completions(outs, params)
+        return vllm_completions(self.llm.generate(*self.requests(prompts, params), use_tqdm=False), params)
 
 
 def vllm_completions(outs, params: SamplingParams) -> list[list[Completion]]:

@@ -358,12 +358,10 @@ def concat_trajectories(parts: list[Trajectories], R: int) -> Trajectories:
 
 def sync_weights(engine, model, version: int, cfg: Config, dtype: torch.dtype):
     """Push the policy's weights into the engine (bucketed full tensors) unless it already holds `version`."""
-    if engine.weights_version == version:
-        return
     if engine.shares_weights:  # the built-in engine on the trainer's own module: nothing to copy
         engine.weights_version = version
-        return
-    engine.load_weights(parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=dtype), version)
+    elif engine.weights_version != version:
+        engine.load_weights(parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=dtype), version)
 
 
 def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: SamplingParams, cfg: Config, *,
@@ -659,9 +657,7 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
     starts = batch.cu_seqlens[:-1].long() + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device)
     gather = (starts[:, None] + torch.arange(R, device=device)[None]).clamp(max=ids.shape[1] - 1)
     mask = traj.response_mask[idx].to(device)
-    out_logp = logp[0][gather] * mask
-    out_ent = ent[0][gather] * mask if ent is not None else None
-    return out_logp, out_ent
+    return logp[0][gather] * mask, (ent[0][gather] * mask if ent is not None else None)
 
 
 @torch.no_grad()
@@ -672,8 +668,7 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tens
     model.eval()
     mine = list(range(len(traj)))
     if dims.dp > 1:  # pad to a multiple of dp with repeats so every rank runs the same forwards
-        mine = mine + mine[:(-len(mine)) % dims.dp]
-        mine = rank_share(mine, dims)
+        mine = rank_share(mine + mine[:(-len(mine)) % dims.dp], dims)
     out = torch.zeros_like(traj.response_mask, dtype=torch.float32)
     for mb in micro_batches(traj, mine, cfg.log_prob_micro_batch_size_per_gpu, budget, dims):
         logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False)
@@ -991,10 +986,9 @@ def setup(cfg: Config) -> Run:
 
     # the policy: fp32 master weights. A CPU process: a plain fp32 module. Else TP / SP / FSDP2 shards (one GPU is a
     # mesh of one) computing in bf16; a rollout engine then holds its own weights, pushed before every rollout.
-    sharded = dims.sharded
     shard = (lambda m: parallel.parallelize(m, dims, param_dtype=compute_dtype,  # noqa: E731
                                             offload=cfg.param_offload or cfg.optimizer_offload,
-                                            compile=cfg.compile)) if sharded else None
+                                            compile=cfg.compile)) if dims.sharded else None
     model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
     ckpt = cfg.gradient_checkpointing
     if ckpt == "auto":  # the memory plan's choice for this GPU; on a CPU checkpointing stays on
@@ -1012,8 +1006,8 @@ def setup(cfg: Config) -> Run:
         log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s) with the built-in engine, "
             f"max_staleness={cfg.max_staleness}, tis_imp_ratio_cap={tis_cap(cfg)}")
     elif engine is None:  # the built-in engine: the trainer's own module on a CPU, else a full bf16 copy
-        gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if sharded else model
-        engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not sharded), 1
+        gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if dims.sharded else model
+        engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded), 1
         log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''})")
     fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
@@ -1368,10 +1362,6 @@ def parse_args(argv: list[str]) -> tuple[Config, dict]:
     return cfg, flags
 
 
-def world_size_for(cfg: Config) -> int:
-    return int(os.environ.get("WORLD_SIZE", cfg.nnodes * cfg.n_gpus_per_node))
-
-
 # the allowed range of every numeric knob: (test, what the message says is allowed)
 POSITIVE = (lambda v: v > 0, "> 0")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
@@ -1440,10 +1430,9 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
          "rollout_engine='torch' or 'auto' and gen_tp=1, or rollout_gpus=0")
     world_size -= cfg.rollout_gpus  # the trainer ranks: the mesh rules apply to them
     try:
-        parallel.check_mesh(world_size, cfg.tp_size, cfg.sp_size, ep_size=cfg.ep_size)
+        dp = parallel.check_mesh(world_size, cfg.tp_size, cfg.sp_size, ep_size=cfg.ep_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    dp = world_size // (cfg.tp_size * cfg.sp_size)
     need((M * G) % dp == 0, f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over "
                             f"{dp} data-parallel ranks (world_size / (tp_size * sp_size))")
     need(not cfg.router_replay or cfg.rollout_engine == "vllm", "router_replay=True replays the routing vLLM records "
@@ -1460,17 +1449,14 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
         for k in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
             need(getattr(cfg, k) * cfg.sp_size >= max_seq, f"{k}={getattr(cfg, k)} x sp_size={cfg.sp_size} must be "
                  f">= max_prompt_length + max_response_length = {max_seq} (one sequence must fit an SP group's budget)")
-    if cfg.overlong_buffer:
-        need(cfg.overlong_buffer_len <= cfg.max_response_length and cfg.overlong_buffer_len > 0,
-             f"overlong_buffer_len={cfg.overlong_buffer_len} must be in (0, max_response_length="
-             f"{cfg.max_response_length}]")
+    need(not cfg.overlong_buffer or 0 < cfg.overlong_buffer_len <= cfg.max_response_length,
+         f"overlong_buffer_len={cfg.overlong_buffer_len} must be in (0, max_response_length={cfg.max_response_length}]")
     need(cfg.gen_tp == 1 or cfg.rollout_engine != "torch", f"gen_tp={cfg.gen_tp} needs rollout_engine='vllm' (the "
                                                             "built-in engine generates on one GPU per rank)")
     need(world_size % cfg.gen_tp == 0,
          f"gen_tp={cfg.gen_tp} must divide the world size {world_size} (world_size / gen_tp vLLM engines)")
-    need(cfg.resume in ("auto", "disable") or os.path.isdir(cfg.resume),
-         f"resume={cfg.resume!r}: use 'auto', 'disable' or the path of a checkpoint directory "
-         "(out_dir/checkpoints/step_N)")
+    need(cfg.resume in ("auto", "disable") or os.path.isdir(cfg.resume), f"resume={cfg.resume!r}: use 'auto', "
+         "'disable' or the path of a checkpoint directory (out_dir/checkpoints/step_N)")
     if not check_files:
         return
     try:
@@ -1547,7 +1533,7 @@ def batch_arithmetic(cfg: Config, world_size: int, num_train_prompts: int | None
 def dry_run(cfg: Config):
     """Check the config, print the batch arithmetic and a per-GPU memory plan; touches no GPU and needs
     neither the model nor the data to be present (a known model shape and a note stand in)."""
-    ws = world_size_for(cfg)
+    ws = int(os.environ.get("WORLD_SIZE", cfg.nnodes * cfg.n_gpus_per_node))  # torchrun's, else the config's
     present = os.path.isfile(os.path.join(cfg.model_path, "config.json"))
     files_present = all(os.path.isfile(f) for f in cfg.train_files + cfg.val_files)
     validate(cfg, ws, check_files=present and files_present)
