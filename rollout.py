@@ -38,7 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # EOS ids; the stop token is kept in the response
     ignore_eos: bool = False  # always generate max_tokens (benchmarks)
     seed: int | None = None
-    logprobs: bool | int = True  # the sampled tokens' log-probs: all samples, none, or the first k of each prompt's n
+    logprobs: bool = True  # the sampled tokens' log-probs (the built-in engine returns them always: they are free)
 
 
 @dataclass
@@ -239,7 +239,7 @@ class TorchEngine:
             cache_pos = cache_pos + 1
         out_tok, out_logp, lengths, stopped = (x.tolist() for x in (out_tok, out_logp, lengths, stopped))
         flat = [Completion(token_ids=out_tok[r][:lengths[r]],
-                           logprobs=out_logp[r][:lengths[r]] if params.logprobs else None,
+                           logprobs=out_logp[r][:lengths[r]],
                            finish_reason="stop" if stopped[r] else "length") for r in range(rows)]
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]  # a prompt's n rows are adjacent
 
@@ -383,14 +383,13 @@ class VLLMEngine:
 
     def requests(self, prompts: list[list[int]], params: SamplingParams):
         """vLLM's (prompts, sampling params): n requests of one sample per prompt in order (the prefix cache shares
-        the prompt's KV), seeded seed + index alike on every TP rank; log-probs for the first params.logprobs of each
-        prompt's n (vLLM's cost is per request), as flat lists (not a dict and a Logprob object per token)."""
+        the prompt's KV), seeded seed + index alike on every TP rank; log-probs as flat lists (not a dict and a
+        Logprob object per token)."""
         from vllm import SamplingParams as VLLMSamplingParams
-        k = params.n if params.logprobs is True else int(params.logprobs)
         sampling = [VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            detokenize=False, logprobs=0 if j < k else None, flat_logprobs=True,
+            detokenize=False, logprobs=0 if params.logprobs else None, flat_logprobs=True,
             seed=None if params.seed is None else params.seed + i * params.n + j)
             for i in range(len(prompts)) for j in range(params.n)]
         return [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)], sampling

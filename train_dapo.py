@@ -130,8 +130,7 @@ class Config:
     max_num_seqs: int = 256  # sequences an engine decodes at once
     weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size
     free_cache_engine: bool = True  # the engine frees its KV cache (vLLM: and weights) after each rollout
-    calculate_log_probs: bool = False  # every sample's log-probs from the engine (TIS and token rejection need them);
-    # off: one sample's per group, for rollout/logp_mismatch (each request's cost vLLM Python work every step)
+    calculate_log_probs: bool = False  # vLLM's log-prob of each sampled token, for rollout/logp_mismatch (costly)
     # vLLM engine (rollout_engine="vllm"): world_size / gen_tp engines, colocated with training
     gen_tp: int = 1  # tensor parallel size of one engine (verl: rollout.tensor_model_parallel_size)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU for vLLM's weights + KV cache while it is awake
@@ -295,9 +294,8 @@ def tis_cap(cfg) -> float:
 
 
 def logp_mismatch(trainer_logp, rollout_logp, mask):
-    """Mean |rollout log-prob - trainer log-prob| over response tokens (those the engine gave one for, not NaN): how
-    far the engine's policy is from ours."""
-    return token_mean((trainer_logp - rollout_logp.nan_to_num()).abs(), mask * rollout_logp.isfinite())
+    """Mean |rollout log-prob - trainer log-prob| over response tokens: how far the engine's policy is from ours."""
+    return token_mean((trainer_logp - rollout_logp).abs(), mask)
 
 
 # -----------------------------------------------------------------------------
@@ -405,10 +403,11 @@ def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: Samplin
 
 
 def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
-    every = cfg.calculate_log_probs or tis_cap(cfg) > 0 or cfg.rollout_rs_threshold > 0
+    # asked for when something needs them: vLLM computes them for the whole batch, at 0.64-0.72x its speed
+    logprobs = cfg.calculate_log_probs or tis_cap(cfg) > 0 or cfg.rollout_rs_threshold > 0
     return SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids, seed=seed,
-                          logprobs=True if every else 1)
+                          logprobs=logprobs)
 
 
 def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams, *, version: int,
@@ -695,6 +694,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
     device = model.output_weight.device
     n_minibatches = cfg.ppo_epochs * math.ceil(len(traj) / mb_size)
     router_aux = cfg.router_aux_loss and model.config.num_experts > 0
+    engine_logp = not traj.rollout_logp.isnan().any()  # the engine returned its log-probs (NaN: not asked for)
     sums, grad_norms, skipped = {}, [], 0  # sums: this rank's share of each metric, 0-dim tensors on device
     model.train()
     for _ in range(cfg.ppo_epochs):
@@ -733,10 +733,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                                               model.config.num_experts_per_tok) / len(mbs)
                     loss = loss + model.config.router_aux_loss_coef * aux
                     terms["router_aux_loss"] = aux.detach() / dims.dp  # every dp rank holds the same value
-                if on_policy:  # over the tokens the engine gave a log-prob for, divided at the end
-                    known = mask * rollout_logp.isfinite()
-                    for k, v in (("mismatch", (old_logp - rollout_logp.nan_to_num()).abs() * known), ("known", known)):
-                        sums[k] = sums.get(k, 0.0) + v.sum()
+                if on_policy and engine_logp:
+                    m["logp_mismatch"] = logp_mismatch(old_logp, rollout_logp, mask)
                 loss.backward()
                 finite &= torch.isfinite(loss.detach())
                 for k, v in m.items():  # per-token means of this micro-batch, weighted by its share of tokens
@@ -752,9 +750,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
             scheduler.step()
             grad_norms.append(grad_norm)
     sums = parallel.sum_over_dp(sums, dims)  # the dp ranks' shares add up; TP/SP ranks hold copies
-    out = {f"actor/{k}": v for k, v in sums.items() if k not in ("mismatch", "known")}
-    if "known" in sums:
-        out["rollout/logp_mismatch"] = sums["mismatch"] / max(sums["known"], 1)
+    out = {("rollout/logp_mismatch" if k == "logp_mismatch" else f"actor/{k}"): v for k, v in sums.items()}
     out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": scheduler.get_last_lr()[0],
                 "actor/skipped_updates": skipped})
     return out
@@ -873,7 +869,7 @@ def train(cfg: Config):
         with timed("old_logp", timing):
             if not on_policy and batch.old_logp is None:
                 batch.old_logp = compute_logprobs(model, batch, cfg, dims)
-        if batch.old_logp is not None:
+        if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
             metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
         if cfg.rollout_rs_threshold > 0:
             keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
