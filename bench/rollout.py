@@ -41,7 +41,7 @@ VLLM_VARIANTS = {
     "nd": "ndvllm",  # rollout.VLLMEngine.generate: the requests, then the conversion to Completions
     "ndnolp": "ndvllm_nolp",  # rollout.VLLMEngine.generate without log-probs
     "grp": "vllmgrp",  # bare llm.generate of B // 8 prompts x 8 samples each (the trainer's groups)
-    "ndgrp": "ndvllm_grp",  # rollout.VLLMEngine.generate of those groups, log-probs of one sample a group (trainer)
+    "ndgrp": "ndvllm_grp",  # rollout.VLLMEngine.generate of those groups, no log-probs (the trainer's default)
     "nogc": "ndvllm_nogc",  # rollout.VLLMEngine.generate with Python's gc disabled during the call
     "convert": "convert",  # the conversion alone of one "req" call's outputs into Completions: convert_s
 }
@@ -326,7 +326,7 @@ def bench_vllm(vllm):
         for B in Bs:
             ours = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, seed=0)
             nolp, G = R.SamplingParams(**{**ours.__dict__, "logprobs": False}), 8 if B % 8 == 0 else 1
-            grouped = R.SamplingParams(**{**ours.__dict__, "n": G, "logprobs": 1})
+            grouped = R.SamplingParams(**{**ours.__dict__, "n": G, "logprobs": False})
             groups = PROMPTS[B][:B // G]
             calls = {
                 "bare": lambda: eng.llm.generate(*requests(PROMPTS[B], T, False, False), use_tqdm=False),

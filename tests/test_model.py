@@ -118,6 +118,24 @@ def test_detached_entropy_is_the_same_value_and_keeps_nothing_for_backward():
     assert h.grad is not None and w.grad is not None
 
 
+def test_compiled_logprob_head_matches_the_eager_one():
+    """parallel.apply_compile's head (torch.compile of the chunk function; the CPU runs Inductor's C++ kernels):
+    log-probs, entropy and gradients as the plain torch path, with a last chunk of another size."""
+    torch.manual_seed(3)
+    h = torch.randn(40, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (40,))
+    compiled = torch.compile(M._chunk_logprob_entropy)
+    outs = []
+    for fn in (compiled, None):
+        h.grad = w.grad = None
+        logp, ent = M.token_logprobs_and_entropy(h, w, t, 0.7, 16, True, fn)
+        (logp.sum() + 0.3 * ent.sum()).backward()
+        outs.append([logp.detach(), ent.detach(), h.grad, w.grad])
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_logprob_gradients_match_unchunked():
     torch.manual_seed(1)
     h = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
