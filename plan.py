@@ -35,7 +35,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     resident + max(training, generation). README.md "The memory plan" states each term's formula. A bad mesh raises
     ValueError. gradient_checkpointing="auto": the fewest blocks (the first N) for which the peak is within 85% of the
     GPU (headroom for what the plan does not see), at most all but the last (its recompute follows its forward)."""
-    m, L = model_cfg, model_cfg.num_hidden_layers
+    m, L, asked = model_cfg, model_cfg.num_hidden_layers, cfg
     if cfg.gradient_checkpointing == "auto":
         fits = lambda n: memory_plan(dataclasses.replace(cfg, gradient_checkpointing=n), m, world_size,  # noqa: E731
                                      gpu_gib, runtime_gib, engine)["peak_gib"] <= 0.85 * gpu_gib
@@ -108,6 +108,11 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
 
     notes = [f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the built-in engine: "
              f"{generator_gib:.2f} GiB (weights, KV cache, runtime)"] if cfg.rollout_gpus else []
+    if cfg.free_cache_engine and not cfg.rollout_gpus:  # the other choice, planned alike
+        awake = memory_plan(dataclasses.replace(asked, free_cache_engine=False), m, world_size, gpu_gib, runtime_gib,
+                            engine)
+        notes.append(f"free_cache_engine=False (the engine stays awake: no wake or sleep a step) {awake['verdict']}: "
+                     f"peak {awake['peak_gib']:.1f} GiB, gradient_checkpointing {awake['gradient_checkpointing']}")
     if vllm:
         seqs = vllm_kv_gib * GiB / (kv_token * seq)
         short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
