@@ -46,12 +46,14 @@ p.add_argument("--logprob-chunk", type=int, default=1024)
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--repeats", type=int, default=4)
 p.add_argument("--rows", default="update,update_autocast,bare,bare_bf16,hf,hf_bf16",
-               help="comma list: update (nanodapo update_policy as the trainer runs it: FSDP2 on a mesh of one, bf16 "
-                    "compute, every block checkpointed), update_fused_adam (the same, AdamW fused=True), "
-                    "update[_compiled][_ckpt<N>|_nockpt][_eager_head][_fused] (_compiled: each block and the log-prob head "
-                    "torch.compile'd; _ckpt<N>: only the first N decoder blocks checkpointed, _nockpt: none; "
-                    "_eager_head: compiled blocks, eager log-prob head; _fused: AdamW fused=True), update_autocast (a plain fp32 module under "
-                    "bf16 autocast), bare (nanodapo, autocast), bare_bf16, hf (transformers, autocast), hf_bf16")
+               help="comma list: update (nanodapo update_policy as the trainer's defaults run it: FSDP2 on a mesh "
+                    "of one, bf16 compute, every block checkpointed, but foreach AdamW: the trainer uses fused on "
+                    "CUDA, add _fused), update_fused_adam (the same, AdamW fused=True), "
+                    "update[_compiled][_ckpt<N>|_nockpt][_eager_head][_fused] (_compiled: each block and the log-prob "
+                    "head torch.compile'd; _ckpt<N>: only the first N decoder blocks checkpointed, _nockpt: none; "
+                    "_eager_head: compiled blocks, eager log-prob head; _fused: AdamW fused=True), update_autocast (a "
+                    "plain fp32 module under bf16 autocast), bare (nanodapo, autocast), bare_bf16, hf (transformers, "
+                    "autocast), hf_bf16")
 p.add_argument("--peak-n", type=int, default=8192, help="matmul size for the measured peak")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--profile", action="store_true",
