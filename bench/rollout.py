@@ -51,6 +51,9 @@ p.add_argument("--vllm-variants", default=",".join(VLLM_VARIANTS),
 p.add_argument("--prompt-len", type=int, default=256)
 p.add_argument("--repeats", type=int, default=3)
 p.add_argument("--repeats-long", type=int, default=2, help="timed calls for max_tokens > 512")
+p.add_argument("--vllm-warmup-rounds", type=int, default=1,
+               help="untimed rounds of every vLLM variant per (B, max_tokens) first: the first call of each variant "
+                    "at a new size ran 1.3-1.6x slower than the next")
 p.add_argument("--hf-repeats", type=int, default=1)
 p.add_argument("--hf-max-tokens", type=int, default=512, help="run transformers only for max_tokens <= this")
 p.add_argument("--gpu-mem-util", type=float, default=0.5,
@@ -342,6 +345,9 @@ def bench_vllm(vllm):
                 "nogc": lambda: without_gc(lambda: eng.generate(PROMPTS[B], ours, version=0)),
             }
             times, last = {v: [] for v in timed_variants}, {}
+            for _ in range(args.vllm_warmup_rounds):
+                for v in timed_variants:
+                    calls[v]()
             for _ in range(repeats(T)):
                 for v in timed_variants:
                     dt, outs = timed(calls[v], device)
