@@ -31,7 +31,8 @@ from bench.hash_reward import trl_reward  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model, short responses, 2 steps, on the CPU")
 p.add_argument("--sides", default="nanodapo_torch,trl",
-               help="comma list, run in this order: nanodapo_torch, nanodapo_vllm, trl, trl_bf16, trl_vllm")
+               help="comma list, run in this order: nanodapo_torch, nanodapo_vllm, nanodapo_vllm_awake (vLLM kept "
+                    "awake: free_cache_engine=False), trl, trl_bf16, trl_vllm")
 p.add_argument("--work", default="/tmp/nanodapo_step", help="model, prompts, configs, logs, run outputs")
 p.add_argument("--shape", default="qwen2.5-1.5b")
 p.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
@@ -283,6 +284,8 @@ def nanodapo_side(name, engine):
                temperature=1.0, top_p=1.0, top_k=-1, max_num_seqs=P * G, rollout_engine=engine,
                total_training_steps=args.steps, save_freq=-1, test_freq=0, val_before_train=False,
                resume="disable", out_dir=out_dir, logger=["console", "jsonl"], seed=0)
+    if name.endswith("_awake"):  # the engine kept awake between rollouts (no wake/sleep)
+        cfg["free_cache_engine"] = False
     if args.tiny:
         cfg.update(device="cpu", cpu_threads=1, reward_num_workers=1)
     with open(cfg_path, "w") as f:
@@ -345,19 +348,19 @@ def trl_side(name, use_vllm, dtype):
 
 have_vllm = importlib.util.find_spec("vllm") is not None
 sides = [s for s in args.sides.split(",") if s]
-unknown = set(sides) - {"nanodapo_torch", "nanodapo_vllm", "trl", "trl_bf16", "trl_vllm"}
+unknown = set(sides) - {"nanodapo_torch", "nanodapo_vllm", "nanodapo_vllm_awake", "trl", "trl_bf16", "trl_vllm"}
 if unknown:
     sys.exit(f"unknown sides {sorted(unknown)}")
 prepare()
 save()
 for s in sides:
-    if s.endswith("vllm") and not have_vllm:
+    if "vllm" in s and not have_vllm:
         RES["sides"][s] = {"skipped": "vllm not importable"}
         print(f"{s}: skipped (vllm not importable)", flush=True)
         continue
     try:
         if s.startswith("nanodapo"):
-            RES["sides"][s] = nanodapo_side(s, "vllm" if s.endswith("vllm") else "torch")
+            RES["sides"][s] = nanodapo_side(s, "vllm" if "vllm" in s else "torch")
         else:
             RES["sides"][s] = trl_side(s, s.endswith("vllm"), "bfloat16" if s == "trl_bf16" else args.trl_dtype)
     except Exception as e:
@@ -398,7 +401,7 @@ print("(nanodapo gen = generation only, reward apart; TRL gen = generation + rew
 print("errors:", {k: v[:200] for k, v in RES["errors"].items()} or "none")
 heads = []
 for trl_name, nano_name in (("trl", "nanodapo_torch"), ("trl_bf16", "nanodapo_torch"), ("trl_vllm", "nanodapo_vllm"),
-                            ("trl_vllm", "nanodapo_torch")):
+                            ("trl_vllm", "nanodapo_vllm_awake"), ("trl_vllm", "nanodapo_torch")):
     a, b = RES["sides"].get(trl_name, {}).get("median", {}), RES["sides"].get(nano_name, {}).get("median", {})
     if a.get("step") and b.get("step"):
         heads.append(f"{trl_name} / {nano_name} = {a['step'] / b['step']:.2f}x")
