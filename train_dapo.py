@@ -403,7 +403,7 @@ def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: Samplin
 
 
 def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
-    # asked for when something needs them: vLLM computes them for the whole batch, at 0.64-0.72x its speed
+    # only when something needs them: vLLM then computes them for the whole batch, at a large cost in speed
     logprobs = cfg.calculate_log_probs or tis_cap(cfg) > 0 or cfg.rollout_rs_threshold > 0
     return SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids, seed=seed,
@@ -1007,7 +1007,7 @@ def setup(cfg: Config) -> Run:
         log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''})")
     fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                  fused=fused or None)
+                                  fused=fused or None)  # None, not False: False would turn foreach off too
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * optimizer_steps_per_step(cfg))
@@ -1391,8 +1391,7 @@ KNOB_RANGES = {
 CHOICES = {"loss_agg_mode": AGG_MODES, "kl_loss_type": KL_TYPES, "kl_penalty": KL_TYPES,
            "filter_groups_metric": FILTER_METRICS, "truncation": data.TRUNCATION_MODES,
            "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch", "vllm"),
-           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32"),
-           "gradient_checkpointing": (True, False, "auto", "an int N: the first N blocks")}
+           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32")}
 LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -1407,9 +1406,10 @@ def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
         v = getattr(cfg, k)
         need(ok(v) and (not isinstance(v, float) or not math.isnan(v)), f"{k}={v!r} must be {allowed}")
     for k, allowed in CHOICES.items():
-        v = getattr(cfg, k)
-        need(v in allowed or k == "gradient_checkpointing" and type(v) is int and v >= 0,
-             f"{k}={v!r}; choose one of {', '.join(map(str, allowed))}")
+        need(getattr(cfg, k) in allowed, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(allowed)}")
+    ckpt = cfg.gradient_checkpointing
+    need(ckpt in (True, False, "auto") or type(ckpt) is int and ckpt >= 0,
+         f"gradient_checkpointing={ckpt!r}; choose True, False, 'auto' or an int N >= 0 (the first N blocks)")
     for lg in cfg.logger:
         need(lg in LOGGERS, f"logger {lg!r}; choose from {', '.join(LOGGERS)}")
         need(LOGGERS[lg] is None or importlib.util.find_spec(LOGGERS[lg]) is not None,

@@ -53,7 +53,7 @@ p.add_argument("--repeats", type=int, default=3)
 p.add_argument("--repeats-long", type=int, default=2, help="timed calls for max_tokens > 512")
 p.add_argument("--vllm-warmup-rounds", type=int, default=1,
                help="untimed rounds of every vLLM variant per (B, max_tokens) first: the first call of each variant "
-                    "at a new size ran 1.3-1.6x slower than the next")
+                    "at a new size took up to 1.6x the next")
 p.add_argument("--hf-repeats", type=int, default=1)
 p.add_argument("--hf-max-tokens", type=int, default=512, help="run transformers only for max_tokens <= this")
 p.add_argument("--gpu-mem-util", type=float, default=0.5,

@@ -48,7 +48,7 @@ p.add_argument("--repeats", type=int, default=4)
 p.add_argument("--rows", default="update,update_autocast,bare,bare_bf16,hf,hf_bf16",
                help="comma list: update (nanodapo update_policy as the trainer's defaults run it: FSDP2 on a mesh "
                     "of one, bf16 compute, every block checkpointed, but foreach AdamW: the trainer uses fused on "
-                    "CUDA, add _fused), update_fused_adam (the same, AdamW fused=True), "
+                    "CUDA, add _fused), "
                     "update[_compiled][_ckpt<N>|_nockpt][_eager_head][_fused] (_compiled: each block and the log-prob "
                     "head torch.compile'd; _ckpt<N>: only the first N decoder blocks checkpointed, _nockpt: none; "
                     "_eager_head: compiled blocks, eager log-prob head; _fused: AdamW fused=True), update_autocast (a "
@@ -67,9 +67,10 @@ p.add_argument("--memory-pickle", action="store_true",
                     "pytorch.org/memory_viz)")
 p.add_argument("--out", default=None)
 args = p.parse_args()
+args.rows = args.rows.replace("update_fused_adam", "update_fused")  # the row's earlier name
 UPDATE_ROW = re.compile(r"update(?P<compiled>_compiled)?(?:_ckpt(?P<ckpt>\d+)|(?P<nockpt>_nockpt))?"
                         r"(?P<eager_head>_eager_head)?(?P<fused>_fused)?")
-OTHER_ROWS = ("update_fused_adam", "update_autocast", "bare", "bare_bf16", "hf", "hf_bf16")
+OTHER_ROWS = ("update_autocast", "bare", "bare_bf16", "hf", "hf_bf16")
 for r in args.rows.split(","):
     v = UPDATE_ROW.fullmatch(r)
     if r not in OTHER_ROWS and v is None:
@@ -152,9 +153,6 @@ RES["flops"] = {"N_blocks": N_BLOCKS, "head_VH": HEAD, "model_per_step": FLOPS_M
 
 def update_variant(row: str) -> dict:
     """An update row's name -> its row name in the results, compile, checkpointed blocks, eager head, fused AdamW."""
-    if row == "update_fused_adam":
-        return {"name": "nanodapo update fused AdamW", "compile": False, "n_ckpt": L, "eager_head": False,
-                "fused": True}
     v = UPDATE_ROW.fullmatch(row)
     n_ckpt = 0 if v["nockpt"] else L if v["ckpt"] is None else int(v["ckpt"])
     if n_ckpt > L:
@@ -168,8 +166,8 @@ def update_variant(row: str) -> dict:
             "fused": True if v["fused"] else None}
 
 
-UPDATE_VARIANTS = {r: update_variant(r) for r in args.rows.split(",")
-                   if r == "update_fused_adam" or UPDATE_ROW.fullmatch(r)}  # bad N: an error before any work
+# a bad N is an error here, before any work
+UPDATE_VARIANTS = {r: update_variant(r) for r in args.rows.split(",") if UPDATE_ROW.fullmatch(r)}
 print(f"params: blocks {N_BLOCKS / 1e9:.3f} B + head {HEAD / 1e9:.3f} B; model FLOPs/step {FLOPS_MODEL / 1e12:.1f} T")
 save()
 
