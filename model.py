@@ -237,12 +237,17 @@ class AttnBatch:
     cu_seqlens: torch.Tensor | None = None  # int32 [docs + 1] document boundaries of a packed row
     cu_seqlens_list: list | None = None  # the same on the host (torch_npu's kernel takes host lengths)
     max_seqlen: int = 0
-    kv_cache: list | None = None  # per layer (k, v), each [rows, kv_heads, max_len, head_dim]
+    kv_cache: list | None = None  # per layer (k, v), each [>= rows, kv_heads, >= cache_len, head_dim]
     cache_pos: torch.Tensor | None = None  # [rows] position the new token is written at
     cache_len: int = 0  # attend over cache[:, :, :cache_len]
     collect_kv: list | None = None  # prefill: per layer (k, v) [tokens, kv_heads, head_dim] is appended here
     sp_group: object = None  # process group of a sequence-parallel packed forward (see split_for_sp)
-    _mask: torch.Tensor | None = field(default=None, repr=False)  # decode: built by the first layer
+    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # [rows, 1, 1, cache_len], built here
+
+    def __post_init__(self):  # decode: row r sees cache positions <= cache_pos[r] (one mask for all layers)
+        if self.cache_pos is not None:
+            pos = torch.arange(self.cache_len, device=self.cache_pos.device)
+            self.decode_mask = pos.view(1, 1, 1, -1) <= self.cache_pos.view(-1, 1, 1, 1)
 
 
 def _varlen_available(device_type: str) -> bool:
@@ -299,14 +304,13 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
 
 
 def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
-    """q [B, 1, H, D], one new token per row, against that row's cache positions <= cache_pos."""
-    L = batch.cache_len
-    if batch._mask is None:  # row r sees cache positions <= cache_pos[r]
-        batch._mask = (torch.arange(L, device=q.device)[None, :] <= batch.cache_pos[:, None])[:, None, None, :]
-    # GQA without copying the cache: the heads sharing a kv head become that head's query rows
+    """q [B, 1, H, D], one new token per row, against that row's cache positions <= cache_pos. The cache comes
+    whole and is sliced here (rows :B, positions :cache_len): a compiled block then sees no views of it."""
     B, _, H, D = q.shape
-    out = F.scaled_dot_product_attention(q.view(B, k_cache.shape[1], -1, D), k_cache[:, :, :L], v_cache[:, :, :L],
-                                         attn_mask=batch._mask)
+    L = batch.cache_len
+    # GQA without copying the cache: the heads sharing a kv head become that head's query rows
+    out = F.scaled_dot_product_attention(q.view(B, k_cache.shape[1], -1, D), k_cache[:B, :, :L], v_cache[:B, :, :L],
+                                         attn_mask=batch.decode_mask)
     return out.reshape(B, 1, H, D)
 
 
@@ -414,24 +418,22 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
-        """kv_cache: this layer's (k, v) cache when decoding."""
+        """kv_cache: decode: this layer's (k, v) cache, a tuple; prefill: a list that receives its new (k, v)."""
         B, T, _ = x.shape
         # -1: under tensor parallelism a rank holds a slice of the heads
         q, k, v = (proj(x).view(B, T, -1, self.hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if batch.collect_kv is not None:
-            batch.collect_kv.append((k[0], v[0]))
-        if kv_cache is not None:  # write the new token's k/v at each row's position
+        if isinstance(kv_cache, tuple):  # decode: write the new token's k/v at each row's position
             rows = torch.arange(B, device=x.device)
             for cache, new in zip(kv_cache, (k, v)):
                 cache[rows, :, batch.cache_pos] = new[:, 0]
             y = decode_attention(q, *kv_cache, batch)
-        elif batch.sp_group is not None:
-            y = ulysses_attention(q, k, v, batch)
         else:
-            y = attention(q, k, v, batch)
+            if kv_cache is not None:  # a prefill's fresh list per layer: a compiled block sees the same input each time
+                kv_cache.append((k[0], v[0]))
+            y = ulysses_attention(q, k, v, batch) if batch.sp_group is not None else attention(q, k, v, batch)
         return self.o_proj(y.reshape(B, T, -1))
 
 
@@ -603,7 +605,7 @@ class Transformer(nn.Module):
         ckpt = self.gradient_checkpointing
         n_ckpt = (len(self.model.layers) if ckpt is True else int(ckpt)) if torch.is_grad_enabled() else 0
         for i, layer in enumerate(self.model.layers):
-            kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else None
+            kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else [] if batch.collect_kv is not None else None
             # an empty list per layer: FSDP rebuilds containers that hold tensors needing grad before a block runs,
             # and a recompute's appends land in it, not in the caller's list
             mine = None if router_loads is None else []
@@ -611,6 +613,8 @@ class Transformer(nn.Module):
             x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if i < n_ckpt else layer(*args)
             if mine is not None:
                 router_loads.extend(mine)
+            if batch.collect_kv is not None:
+                batch.collect_kv.extend(kv_cache)
         h = self.model.norm(x)
         if logits_at is not None:
             return F.linear(h.flatten(0, 1)[logits_at], self.output_weight)

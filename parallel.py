@@ -380,12 +380,15 @@ def reduce_router_loads(router_loads: list, group) -> list:
     return list((local + (total - local.detach())).unbind(0))
 
 
-def apply_compile(model):
+def apply_compile(model, dynamic: bool | None = None):
     """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod prefix)
     and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one graph and compile
-    time is that of one block."""
+    time is that of one block. dynamic=True: shapes symbolic from the first call (the built-in engine's decode)."""
+    # one cache of graphs for every block of the process: the trainer's (train, no-grad) and the engine's (prefill,
+    # decode), each also for the first block, whose input is the embedding's view
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for block in model.model.layers:
-        block.compile()
+        block.compile(dynamic=dynamic)
     model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy)
 
 

@@ -84,10 +84,13 @@ class TorchEngine:
     bf16 copy filled by load_weights before every rollout. The KV cache (at most max_num_seqs x (longest prompt +
     max_tokens) positions) is allocated by the first generate that needs it, reused while large enough, freed by
     sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA graphs captured per (batch-size
-    bucket, cache span)."""
+    bucket, cache span). compile: torch.compile the decoder blocks (the engine's own copy), so Inductor fuses the
+    norms, RoPE and SwiGLU that otherwise launch most of those kernels."""
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
-                 shares_weights: bool = True):
+                 shares_weights: bool = True, compile: bool = False):
         self.model = model
+        if compile:  # shapes symbolic from the start: the graphs serve every batch bucket and cache span
+            parallel.apply_compile(model, dynamic=True)
         self.max_num_seqs = max_num_seqs
         self.device = model.output_weight.device
         self.use_cuda_graph = (self.device.type == "cuda") if use_cuda_graph is None else use_cuda_graph
@@ -172,7 +175,7 @@ class TorchEngine:
         """One token per row -> logits [rows, vocab]; replayed from a CUDA graph when enabled."""
         rows = tokens.shape[0]
         if not self.use_cuda_graph:
-            return _decode_step(self.model, tokens, cache_pos, [(k[:rows], v[:rows]) for k, v in cache], cache_len)
+            return _decode_step(self.model, tokens, cache_pos, cache, cache_len)
         bucket = next(b for b in _buckets(self.max_num_seqs) if b >= rows)
         span = _span(cache_len, cache[0][0].shape[2] - 1)
         if (bucket, span) not in self._graphs:
@@ -185,13 +188,12 @@ class TorchEngine:
 
     def _capture(self, bucket: int, span: int, cache):
         """A CUDA graph of the decode step for the first `bucket` rows, attending over the first `span` positions."""
-        kv = [(k[:bucket, :, :span], v[:bucket, :, :span]) for k, v in cache]
         t_in, p_in, logits = (x[:bucket] for x in self._io)
         # warm-up and capture really run: they write slot span - 1 of every row, which no live row holds yet
         p_in.fill_(span - 1)
 
         def step():
-            logits.copy_(_decode_step(self.model, t_in, p_in, kv, span))
+            logits.copy_(_decode_step(self.model, t_in, p_in, cache, span))
 
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -258,7 +260,7 @@ def _span(cache_len: int, max_len: int) -> int:
 
 
 def _decode_step(model, tokens, cache_pos, kv, cache_len: int):
-    """One token per row, written at cache_pos, attending over kv[:, :, :cache_len] -> logits [rows, vocab]."""
+    """One token per row, written at cache_pos, attending over kv[:rows, :, :cache_len] -> logits [rows, vocab]."""
     batch = AttnBatch(kv_cache=kv, cache_pos=cache_pos, cache_len=cache_len)
     return model(tokens[:, None], cache_pos[:, None], batch)[:, 0]
 

@@ -148,7 +148,7 @@ class Config:
     tp_size: int = 1  # tensor parallel degree for training
     sp_size: int = 1  # Ulysses sequence parallel degree: ranks that split each micro-batch's tokens
     ep_size: int = 1  # expert parallelism (MoE): ranks of the dp x sp ranks that split each layer's experts
-    compile: bool = False  # torch.compile each decoder block (GPU or multi-rank runs)
+    compile: bool = False  # torch.compile each decoder block, the built-in engine's copy too (GPU or multi-rank runs)
     param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
     optimizer_offload: bool = False  # same policy as param_offload: FSDP2 offloads all three together
     # schedule
@@ -962,7 +962,7 @@ def setup(cfg: Config) -> Run:
                                  timeout_s=cfg.reward_timeout)
     if dims.is_generator:  # async mode: a built-in engine with its own copy of the weights; no policy, no optimizer
         engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
-                             max_num_seqs=cfg.max_num_seqs, shares_weights=False)
+                             max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=cfg.compile)
         return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, 1, compute_dtype, log)
 
     # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
@@ -1003,7 +1003,8 @@ def setup(cfg: Config) -> Run:
             f"max_staleness={cfg.max_staleness}, tis_imp_ratio_cap={tis_cap(cfg)}")
     elif engine is None:  # the built-in engine: the trainer's own module on a CPU, else a full bf16 copy
         gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if dims.sharded else model
-        engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded), 1
+        engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded,
+                                     compile=cfg.compile and dims.sharded), 1
         log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''})")
     fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,

@@ -29,7 +29,8 @@ from bench.common import VLLM_ENV, dump, median_seconds, model_config, random_mo
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model, small sizes: a CPU smoke test of this script")
 p.add_argument("--engines", default="torch,hf,vllm",
-               help="comma list, run in this order: torch (the built-in engine), hf, vllm (only if importable)")
+               help="comma list, run in this order: torch (the built-in engine), torch_compiled (the same with "
+                    "compile=True: its blocks compiled in place, so after torch), hf, vllm (only if importable)")
 p.add_argument("--batch", default="64,256")
 p.add_argument("--max-tokens", default="512,2048")
 # each timed against bare llm.generate in the same run, interleaved; results key: <key>_tok_s, <key>_wall_s
@@ -153,8 +154,8 @@ save()
 # the built-in engine (CUDA graphs on CUDA); the first timed call of a size includes its graph captures
 
 
-def bench_torch(name="torch"):
-    eng = R.TorchEngine(model, max_num_seqs=max(Bs))
+def bench_torch(name="torch", compile=False):
+    eng = R.TorchEngine(model, max_num_seqs=max(Bs), compile=compile)
     warm = R.SamplingParams(n=1, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=True)
     t, _ = timed(lambda: eng.generate(PROMPTS[Bs[0]][:4], warm), device)
     RES[f"{name}_warmup_s"] = round(t, 2)
@@ -216,13 +217,12 @@ def diagnose(eng, name, B, T, wall):
 def eager_decode_step(eng, B, span):
     """-> a call of the engine's decode step for B rows over `span` cache positions, without its CUDA graph
     (writes slot span - 1 of rows :B, which the timed calls no longer need)."""
-    kv = [(k[:B], v[:B]) for k, v in eng._cache]
     tokens = torch.zeros(B, dtype=torch.long, device=device)
     cache_pos = torch.full((B,), span - 1, dtype=torch.long, device=device)
 
     @torch.no_grad()
     def step():
-        return R._decode_step(eng.model, tokens, cache_pos, kv, span)
+        return R._decode_step(eng.model, tokens, cache_pos, eng._cache, span)
     return step
 
 
@@ -385,6 +385,8 @@ def bench_vllm(vllm):
 
 if "torch" in engines:
     bench_torch()
+if "torch_compiled" in engines:
+    bench_torch("torch_compiled", compile=True)
 if "hf" in engines:
     try:
         bench_hf()
@@ -421,15 +423,17 @@ print(f"\n=== rollout tokens/s: built-in = rollout.TorchEngine (CUDA graphs); {R
       f"{args.repeats_long} for max_tokens > 512 (transformers: {args.hf_repeats}) ===")
 print(f"copy bandwidth {RES['copy_bw_GBps']:.0f} GB/s (read+write), weights {weight_bytes / 1e9:.2f} GB, "
       f"KV {kv_per_token // 1024} KiB/token")
-hdr = (f"{'B':>4} {'max_tok':>7} | {'built-in':>9} {'1st call':>9} {'transf.':>9} {'vLLM':>9} {'nd-vLLM':>9} "
-       f"{'limit':>9} | {'b/HF':>6} {'b/vLLM':>6} {'nd/vLLM':>7} {'b/limit':>7}")
+hdr = (f"{'B':>4} {'max_tok':>7} | {'built-in':>9} {'1st call':>9} {'compiled':>9} {'transf.':>9} {'vLLM':>9} "
+       f"{'nd-vLLM':>9} {'limit':>9} | {'b/HF':>6} {'b/vLLM':>6} {'c/vLLM':>6} {'nd/vLLM':>7} {'b/limit':>7}")
 print(hdr)
 print("-" * len(hdr))
 for r in RES["rows"].values():
-    b, h, v, nd, lim = (r.get(k) for k in ("torch_tok_s", "hf_tok_s", "vllm_tok_s", "ndvllm_tok_s", "limit_tok_s"))
+    b, c, h, v, nd, lim = (r.get(k) for k in ("torch_tok_s", "torch_compiled_tok_s", "hf_tok_s", "vllm_tok_s",
+                                               "ndvllm_tok_s", "limit_tok_s"))
     print(f"{r['B']:>4} {r['max_tokens']:>7} | {fmt(b, '9.0f')} {fmt(r.get('torch_first_call_tok_s'), '9.0f')} "
-          f"{fmt(h, '9.0f')} {fmt(v, '9.0f')} {fmt(nd, '9.0f')} {fmt(lim, '9.0f')} | {fmt(ratio(b, h), '6.2f')} "
-          f"{fmt(ratio(b, v), '6.2f')} {fmt(ratio(nd, v), '7.2f')} {fmt(ratio(b, lim), '7.2f')}")
+          f"{fmt(c, '9.0f')} {fmt(h, '9.0f')} {fmt(v, '9.0f')} {fmt(nd, '9.0f')} {fmt(lim, '9.0f')} | "
+          f"{fmt(ratio(b, h), '6.2f')} {fmt(ratio(b, v), '6.2f')} {fmt(ratio(c, v), '6.2f')} {fmt(ratio(nd, v), '7.2f')} "
+          f"{fmt(ratio(b, lim), '7.2f')}")
 if RES["diagnostics"]:
     print("\nbuilt-in engine, ms per decode step (graph = one CUDA-graph replay of the model step, per cache span)")
     for d in RES["diagnostics"].values():
@@ -455,9 +459,11 @@ if any("vllm_tok_s" in r for r in RES["rows"].values()):
               + f" | {fmt(None if conv is None else conv * 1e3, '10.1f')} {fmt(ratio(conv, nd_wall), '7.3f')}")
 print("errors:", RES["errors"] or "none")
 head = RES["rows"].get(f"B{max(Bs)}_T{min(Ts)}", {})
-hb, hv, hn = (head.get(k) for k in ("torch_tok_s", "vllm_tok_s", "ndvllm_tok_s"))
-print(f"headline B={max(Bs)} max_tokens={min(Ts)}: built-in / bare vLLM = {fmt(ratio(hb, hv), '5.2f')} (goal >= 0.5), "
-      f"rollout.VLLMEngine / bare vLLM = {fmt(ratio(hn, hv), '5.2f')} (goal >= 0.9)")
+hb, hc, hv, hn, hnn = (head.get(k) for k in ("torch_tok_s", "torch_compiled_tok_s", "vllm_tok_s", "ndvllm_tok_s",
+                                             "ndvllm_nolp_tok_s"))
+print(f"headline B={max(Bs)} max_tokens={min(Ts)}: built-in / bare vLLM = {fmt(ratio(hb, hv), '5.2f')}, compiled "
+      f"{fmt(ratio(hc, hv), '5.2f')} (goal >= 0.75); rollout.VLLMEngine / bare vLLM = {fmt(ratio(hn, hv), '5.2f')}, "
+      f"without log-probs {fmt(ratio(hnn, hv), '5.2f')} (goal >= 0.95)")
 if "vllm" in RES["versions"] and dist.is_initialized():
     dist.barrier()
     dist.destroy_process_group()

@@ -242,18 +242,20 @@ KERNEL_KINDS = (  # first match wins; names of CUDA kernels (cuBLAS/CUTLASS/nvje
 
 
 def kernel_kind(name: str) -> str:
-    n = name.lower()
+    n = name.lower().replace("nocast", "")  # torch's gpu_kernel_impl_nocast<...> is element-wise, not a cast
     return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "other")
 
 
 def profile_step(step_fn) -> dict:
     """One step under torch.profiler: the wall time, the summed kernel time by kind (GPU: device kernels;
-    CPU: operators' self time) and the top 12 kernels. Kernel time below wall time = the GPU waited on the host."""
+    CPU: operators' self time), the top 12 kernels and, on a GPU, the top 15 operators but matmuls (with their input
+    shapes) by the device time of the kernels they launch. Kernel time below wall time = the GPU waited on the host."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=cuda) as prof:
         wall, _ = timed(step_fn, device)
     if cuda:
-        evts = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        evts = [e for e in prof.key_averages()  # not "## Call CompiledFxGraph ##": annotations span kernels
+                if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("##")]
         us = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in evts]
     else:
         evts = list(prof.key_averages())
@@ -269,10 +271,18 @@ def profile_step(step_fn) -> dict:
            "by_kind_s": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda x: -x[1])},
            "top_kernels": [{"name": e.key[:160], "s": round(u / 1e6, 4), "calls": e.count, "kind": kernel_kind(e.key)}
                            for e, u in top]}
+    if cuda:  # which operator launched them: the same kernel name hides e.g. a gradient sum and a residual add
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)  # the matmuls are known: the rest
+               if e.device_type != torch.autograd.DeviceType.CUDA and e.key not in ("aten::mm", "aten::addmm")]
+        out["top_ops"] = [{"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count,
+                           "s": round(e.self_device_time_total / 1e6, 4)}
+                          for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:15]]
     print(f"  profile: wall {wall:.3f} s, kernels {total:.3f} s ({total / wall:.0%} busy); by kind: " +
           ", ".join(f"{k} {v:.3f}" for k, v in out["by_kind_s"].items()))
     for k in out["top_kernels"][:8]:
         print(f"    {k['s']:8.4f} s  x{k['calls']:<5d} [{k['kind']}] {k['name'][:110]}")
+    for o in out.get("top_ops", [])[:10]:
+        print(f"    op {o['s']:8.4f} s  x{o['calls']:<5d} {o['op']} {o['shapes'][:100]}")
     return out
 
 
