@@ -4,7 +4,7 @@ Generation (rollout). One interface, two engines:
 - TorchEngine: the built-in batched sampler over model.py; runs anywhere (CPU, a GPU without vLLM, an NPU).
   Prompts are prefilled once, packed; a prompt's n samples copy its KV into their rows of a preallocated cache;
   each decode step is one batched forward of one token per live row; finished rows are compacted away; on CUDA
-  the decode step is replayed from CUDA graphs.
+  the decode step is replayed from CUDA graphs (its blocks compiled with compile=True).
 - VLLMEngine: vLLM in the training process ("colocated"): ranks [e * gen_tp, (e + 1) * gen_tp) form engine e,
   which generates its share of the prompts from weights pushed by the trainer in buckets of full tensors, and
   sleeps between rollouts to give its memory back to training.
