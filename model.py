@@ -36,7 +36,6 @@ MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3M
 # -----------------------------------------------------------------------------
 # config
 
-
 @dataclass
 class ModelConfig:
     architecture: str = "Qwen2ForCausalLM"
@@ -226,7 +225,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # -----------------------------------------------------------------------------
 # attention: the one place that chooses a kernel
 
-
 @dataclass
 class AttnBatch:
     """How the tokens of one forward attend to each other; built once, shared by every layer:
@@ -319,7 +317,6 @@ def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
 # projections on a contiguous 1/sp of the packed tokens; around attention, all-to-alls trade that for all tokens
 # and 1/sp of the heads, so the packed kernels above run unchanged. The query heads of a TP rank must divide by sp.
 
-
 def split_for_sp(input_ids, position_ids, target_ids, routed_experts, batch: AttnBatch, group):
     """The full packed row (the same on every SP rank) -> this rank's contiguous slice of each [1, T, ...] tensor, and
     an AttnBatch for the whole row padded to a multiple of sp. The padding is one extra document, so it attends only
@@ -374,7 +371,6 @@ def ulysses_attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
 
 # -----------------------------------------------------------------------------
 # modules (names follow HF so state dicts match)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -630,7 +626,6 @@ class Transformer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # token log-probs and entropy, without [tokens, vocab] in fp32 for the whole batch
-
 
 def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy: bool | str):
     logits = (h @ weight.t()).float() / temperature

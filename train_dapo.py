@@ -53,7 +53,6 @@ from rollout import SamplingParams, TorchEngine, VLLMEngine, engine_results, eng
 # -----------------------------------------------------------------------------
 # config: every knob, verl's names (prompts are counted globally, over all ranks)
 
-
 @dataclass
 class Config:
     # model and data
@@ -301,7 +300,6 @@ def logp_mismatch(trainer_logp, rollout_logp, mask):
 # -----------------------------------------------------------------------------
 # a batch of trajectories
 
-
 @dataclass
 class Trajectories:
     prompt_ids: list[list[int]]
@@ -352,7 +350,6 @@ def concat_trajectories(parts: list[Trajectories], R: int) -> Trajectories:
 
 # -----------------------------------------------------------------------------
 # steps 1-3: rollout and reward
-
 
 def sync_weights(engine, model, version: int, cfg: Config, dtype: torch.dtype):
     """Push the policy's weights into the engine (bucketed full tensors) unless it already holds `version`."""
@@ -573,7 +570,6 @@ def serve_rollouts(run: "Run", cfg: Config):
 # -----------------------------------------------------------------------------
 # step 4: dynamic sampling
 
-
 def kept_mask(traj: Trajectories, cfg: Config) -> torch.Tensor:
     """The trajectories dynamic sampling keeps: filter_groups on the metric named by filter_groups_metric."""
     if not cfg.filter_groups:
@@ -615,7 +611,6 @@ def dynamic_sampling(rounds, cfg: Config, should_stop=lambda: False, progress=la
 
 # -----------------------------------------------------------------------------
 # steps 5-6: log-probs over a batch (packed: no padding tokens are computed)
-
 
 def micro_batches(traj: Trajectories, idx: list[int], count: int, token_budget: int | None, dims) -> list[list[int]]:
     """Split trajectory indices into micro-batches by count, or by token budget (use_dynamic_bsz). Every rank
@@ -680,7 +675,6 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tens
 
 # -----------------------------------------------------------------------------
 # step 7: the policy update
-
 
 def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, dims, *, on_policy: bool) -> dict:
     """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Every rank holds the whole batch and trains
@@ -774,7 +768,6 @@ def optimizer_steps_per_step(cfg: Config) -> int:
 
 # -----------------------------------------------------------------------------
 # the loop
-
 
 @contextlib.contextmanager
 def timed(name: str, timing: dict):
@@ -1005,7 +998,8 @@ def setup(cfg: Config) -> Run:
         gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if dims.sharded else model
         engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded,
                                      compile=cfg.compile and dims.sharded), 1
-        log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''})")
+        log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''}"
+            f"{', compiled blocks' if cfg.compile and dims.sharded else ''})")
     fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                   fused=fused or None)  # None, not False: False would turn foreach off too
@@ -1131,7 +1125,6 @@ def report_refill(r: int, kept: int, cfg: Config, bar, log):
 
 # -----------------------------------------------------------------------------
 # validation, checkpoints, signals, metrics
-
 
 def validation_metrics(traj: Trajectories) -> dict:
     """mean@val_n accuracy per data_source and overall."""
@@ -1282,7 +1275,6 @@ def lock_out_dir(out_dir: str):
 
 # -----------------------------------------------------------------------------
 # command line: config files and overrides, validation, --dry_run, --plot
-
 
 def _type_ok(value, tp) -> bool:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
