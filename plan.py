@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import parallel
+import rollout
 
 GiB = 2**30
 MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / generation: one at a time
@@ -86,7 +87,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
     rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
     kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
-    gib["kv_cache"] = rows * seq * kv_token / GiB
+    gib["kv_cache"] = rows * rollout.cache_positions(seq) * kv_token / GiB
     vllm = engine == "vllm"
     gib["vllm_asleep"] = 1.0 if vllm and cfg.free_cache_engine else 0.0
     gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0

@@ -138,12 +138,12 @@ class TorchEngine:
 
     # internals -----------------------------------------------------------------
     def _alloc_cache(self, rows: int, max_len: int):
-        """Per layer (k, v) [rows, kv_heads, max_len, head_dim], reused while large enough; with CUDA graphs also
+        """Per layer (k, v) [rows, kv_heads, >= max_len, head_dim], reused while large enough; with CUDA graphs also
         their inputs (tokens, positions) and output (logits), shared by all graphs."""
         cfg, w, c = self.model.config, self.model.output_weight, self._cache
         if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:
             return c
-        shape = (rows, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        shape = (rows, cfg.num_key_value_heads, cache_positions(max_len), cfg.head_dim)
         self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # old graphs read the old cache
         self._cache = [(torch.zeros(shape, dtype=w.dtype, device=self.device),
                         torch.zeros(shape, dtype=w.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
@@ -252,10 +252,17 @@ def _buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(b + [max_num_seqs]))
 
 
+def cache_positions(max_len: int) -> int:
+    """KV-cache positions per row for sequences of up to max_len tokens: the positions a row reads (max_len - 1)
+    rounded up to a multiple of 256, so that every span a decode graph attends over is one (unaligned spans ran much
+    slower on the H200), plus the last slot."""
+    return -(-(max_len - 1) // 256) * 256 + 1
+
+
 def _span(cache_len: int, max_len: int) -> int:
-    """Cache positions a decode graph attends over: cache_len rounded up to a multiple of max(256, max_len / 16),
-    so at most 16 graphs per batch bucket."""
-    step = max(256, -(-max_len // 16))
+    """Cache positions a decode graph attends over: cache_len rounded up to a multiple of 256 * ceil(max_len / 4096),
+    so at most 16 graphs per batch bucket, each over a multiple of 256 positions when max_len is one."""
+    step = 256 * -(-max_len // 4096)
     return min(max_len, -(-cache_len // step) * step)
 
 

@@ -2,6 +2,7 @@
 --dry_run memory planner (plan.memory_plan) on a tiny made-up model, by hand; model.KNOWN_CONFIGS against the
 published parameter counts."""
 import dataclasses
+import functools
 import glob
 import os
 
@@ -107,8 +108,8 @@ def test_memory_plan_dp4_tp2_by_hand():
     # tensors, 16 bytes x hidden + (8 x q + 8 x intermediate) / tp = 1024 + (512 + 1024) / 2 = 1792 bytes a token
     assert b["activations"] == 32_768 + 128 * 1_792
     assert b["logprob_buffer"] == 16 * 1000 * 4 * 3
-    # 8 rows x 64 positions x 2 layers x (k, v) x 2 kv heads x 16 x 2 bytes
-    assert b["kv_cache"] == 131_072
+    # 8 rows x 257 positions (a row reads 63, rounded up to 256, + 1) x 2 layers x (k, v) x 2 kv heads x 16 x 2 bytes
+    assert b["kv_cache"] == 526_336
 
 
 def test_memory_plan_peak_is_resident_plus_larger_phase_and_verdict_flips():
@@ -185,7 +186,7 @@ def test_memory_plan_single_gpu_is_fsdp_over_a_mesh_of_one():
     b = plan_bytes(plan.memory_plan(tiny_cfg(tp_size=1), tiny_model(), 1, 80, runtime_gib=0))
     assert (b["params"], b["grads"], b["optimizer"]) == (4 * 202_304, 4 * 202_304, 8 * 202_304)
     # 2 x bf16 x (root 128,064 + one whole block 37,120); the engine's copy: 2 bytes x P
-    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (4 * 165_184, 2 * 202_304, 131_072)
+    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (4 * 165_184, 2 * 202_304, 526_336)
     p = plan.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
     assert p["gib"]["params"] == p["gib"]["grads"] == p["gib"]["optimizer"] == 0
     assert round(p["host_gib"] * GiB) == 16 * 202_304
@@ -313,21 +314,22 @@ def test_qwen3_235b_recipe_plan():
 
 def test_gradient_checkpointing_auto_checkpoints_the_fewest_blocks_that_fit_in_85_percent():
     mc = dataclasses.replace(tiny_model(), num_hidden_layers=8)
-    peaks = [plan.memory_plan(tiny_cfg(gradient_checkpointing=n), mc, 8, gpu_gib=80, runtime_gib=0)["peak_gib"]
+    cfg = functools.partial(tiny_cfg, max_num_seqs=4)  # a small KV cache: the training phase sets the peak
+    peaks = [plan.memory_plan(cfg(gradient_checkpointing=n), mc, 8, gpu_gib=80, runtime_gib=0)["peak_gib"]
              for n in range(9)]
     assert all(a > b for a, b in zip(peaks[:8], peaks[1:8]))  # a checkpointed block keeps only its input, ...
     assert peaks[8] > peaks[7]  # ... but the last one's recompute comes right after its forward: no saving
     for n, ckpt in ((0, False), (8, True)):
-        assert peaks[n] == plan.memory_plan(tiny_cfg(gradient_checkpointing=ckpt), mc, 8, 80, 0)["peak_gib"]
+        assert peaks[n] == plan.memory_plan(cfg(gradient_checkpointing=ckpt), mc, 8, 80, 0)["peak_gib"]
 
     def auto(gpu_gib):
-        p = plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, gpu_gib, runtime_gib=0)
+        p = plan.memory_plan(cfg(gradient_checkpointing="auto"), mc, 8, gpu_gib, runtime_gib=0)
         return p["gradient_checkpointing"], p["peak_gib"]
     assert auto(peaks[0] / 0.80) == (False, peaks[0])
     assert auto((peaks[2] + peaks[3]) / 2 / 0.85) == (3, peaks[3])  # 3 checkpointed blocks fit in 85%, 2 do not
     assert auto(peaks[7] / 2) == (7, peaks[7])  # nothing fits: the least memory
     assert "gradient_checkpointing" in plan.format_memory_plan(
-        [plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, peaks[3] / 0.85, runtime_gib=0)])
+        [plan.memory_plan(cfg(gradient_checkpointing="auto"), mc, 8, peaks[3] / 0.85, runtime_gib=0)])
 
 
 def test_gradient_checkpointing_takes_a_block_count_up_to_the_model_depth(tiny_dir):
@@ -344,6 +346,7 @@ def test_memory_plan_of_an_asynchronous_run_puts_the_engine_on_the_generator_gpu
     colocated = plan.memory_plan(tiny_cfg(**cfg), mc, 1, 141, runtime_gib=0)
     p = plan.memory_plan(tiny_cfg(**cfg, rollout_gpus=1), mc, 1, 141, runtime_gib=0)
     assert p["gib"]["engine_weights"] == p["gib"]["kv_cache"] == 0 and colocated["gib"]["kv_cache"] > 0
-    kv = 256 * 4096 * 28 * 2 * 4 * 128 * 2  # rows x tokens x layers x (k, v) x kv heads x head_dim x bf16
+    # rows x positions (a row reads 4095, rounded up to 4096, + 1) x layers x (k, v) x kv heads x head_dim x bf16
+    kv = 256 * 4097 * 28 * 2 * 4 * 128 * 2
     assert f"each of the 1 generator GPUs holds the built-in engine: {(2 * mc.num_params() + kv) / GiB:.2f} GiB" \
         in p["notes"][0]
