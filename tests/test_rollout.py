@@ -4,14 +4,16 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import model as M
 import rollout as R
+from test_sp import _compile_works
 
 
-def tiny_model(seed=0, vocab=50):
+def tiny_model(seed=0, vocab=50, layers=2):
     cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=vocab, hidden_size=32, intermediate_size=48,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
     return M.Transformer(cfg).init_weights(seed=seed, std=0.3).eval()
 
 
@@ -122,18 +124,21 @@ def test_sampling_distribution(temperature, top_k, top_p, expected):
 
 def test_compiled_engine_matches_the_eager_one():
     """TorchEngine(compile=True) (Inductor's C++ kernels on the CPU): the sampled tokens and log-probs of the eager
-    engine, with stops and compaction, over sizes that change between calls."""
-    from test_sp import _compile_works
+    engine, with stops and compaction, over sizes that change between calls; the blocks share a few graphs (a graph
+    per layer would soon exhaust dynamo's recompile limit and leave the blocks eager)."""
     if (why := _compile_works()) is not None:
         pytest.skip(why)
-    m, ref = tiny_model(5, vocab=8), tiny_model(5, vocab=8)  # a small vocabulary: the stop token comes up
+    # a small vocabulary, so the stop token comes up; 6 layers, more than the graphs a prefill and a decode need
+    m, ref = tiny_model(5, vocab=8, layers=6), tiny_model(5, vocab=8, layers=6)
     sp = R.SamplingParams(n=2, temperature=1.0, max_tokens=9, stop_token_ids=[3], seed=11)
+    graphs = counters["stats"]["unique_graphs"]
     eng, eager = R.TorchEngine(m, compile=True), R.TorchEngine(ref)
     prompts = [[t % 8 for t in p] for p in PROMPTS]
-    for prompts in (prompts, prompts[:3] + [[2] * 13]):  # other batch and prompt sizes: no new graph needed
+    for prompts in (prompts, prompts[:3] + [[2] * 13]):  # other batch and prompt sizes on the second call
         out, exp = eng.generate(prompts, sp), eager.generate(prompts, sp)
         for cs, es in zip(out, exp):
             for c, e in zip(cs, es):
                 assert c.token_ids == e.token_ids and c.finish_reason == e.finish_reason
                 assert max(abs(a - b) for a, b in zip(c.logprobs, e.logprobs)) <= 1e-4
     assert any(len(c.token_ids) < 9 for cs in out for c in cs)  # some rows stopped early
+    assert 2 <= counters["stats"]["unique_graphs"] - graphs < 6
