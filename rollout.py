@@ -81,11 +81,11 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generato
 
 class TorchEngine:
     """Batched generation over a model.Transformer, the trainer's own (shares_weights) or, under FSDP / TP, a full
-    bf16 copy filled by load_weights before every rollout. The KV cache (at most max_num_seqs x (longest prompt +
-    max_tokens) positions) is allocated by the first generate that needs it, reused while large enough, freed by
-    sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA graphs captured per (batch-size
-    bucket, cache span). compile: torch.compile the decoder blocks (the engine's own copy), so Inductor fuses the
-    norms, RoPE and SwiGLU that otherwise launch most of those kernels."""
+    bf16 copy filled by load_weights before every rollout. The KV cache (at most max_num_seqs rows of
+    cache_positions(longest prompt + max_tokens)) is allocated by the first generate that needs it, reused while
+    large enough, freed by sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA graphs
+    captured per (batch-size bucket, cache span). compile: torch.compile the decoder blocks (the engine's own copy),
+    so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch most of those kernels."""
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True, compile: bool = False):
         self.model = model
