@@ -385,7 +385,7 @@ def apply_compile(model, dynamic: bool | None = None):
     and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one graph and compile
     time is that of one block. dynamic=True: shapes symbolic from the first call (the built-in engine's decode)."""
     # one cache of graphs for every block of the process: the trainer's (train, no-grad) and the engine's (prefill,
-    # decode), each also for the first block, whose input is the embedding's view
+    # decode, and a few input variants of each) together need more than dynamo's default 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for block in model.model.layers:
         block.compile(dynamic=dynamic)

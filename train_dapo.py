@@ -997,9 +997,9 @@ def setup(cfg: Config) -> Run:
     elif engine is None:  # the built-in engine: the trainer's own module on a CPU, else a full bf16 copy
         gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if dims.sharded else model
         engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded,
-                                     compile=cfg.compile and dims.sharded), 1
+                                     compile=cfg.compile), 1  # validate: compile=True only where dims.sharded
         log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''}"
-            f"{', compiled blocks' if cfg.compile and dims.sharded else ''})")
+            f"{', compiled blocks' if cfg.compile else ''})")
     fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                   fused=fused or None)  # None, not False: False would turn foreach off too

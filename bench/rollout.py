@@ -38,7 +38,7 @@ VLLM_VARIANTS = {
     "seed": "vllmseed",  # llm.generate, one SamplingParams per request with seed = its index
     "logp": "vllmlogp",  # llm.generate, one shared SamplingParams with logprobs=0, flat_logprobs
     "both": "vllmboth",  # per-request seeds + log-probs (the requests the wrapper built per sample)
-    "req": "vllmreq",  # llm.generate of rollout.VLLMEngine.requests (where the wrapper has it)
+    "req": "vllmreq",  # llm.generate of rollout.VLLMEngine.requests
     "nd": "ndvllm",  # rollout.VLLMEngine.generate: the requests, then the conversion to Completions
     "ndnolp": "ndvllm_nolp",  # rollout.VLLMEngine.generate without log-probs
     "grp": "vllmgrp",  # bare llm.generate of B // 8 prompts x 8 samples each (the trainer's groups)
@@ -319,12 +319,8 @@ def bench_vllm(vllm):
         finally:
             gc.enable()
 
-    to_completions, RES["vllm_convert_fn"] = R.vllm_completions, "rollout.vllm_completions"
+    RES["vllm_convert_fn"] = "rollout.vllm_completions"
     timed_variants = ["bare"] + [v for v in VLLM_VARIANTS if v in variants and v != "convert"]
-    if "req" in timed_variants and not hasattr(eng, "requests"):
-        timed_variants.remove("req")
-        RES["errors"]["vllm_req"] = "rollout.VLLMEngine has no requests(): variant req skipped"
-        print(RES["errors"]["vllm_req"])
     for T in Ts:
         for B in Bs:
             ours = R.SamplingParams(n=1, temperature=1.0, max_tokens=T, ignore_eos=True, seed=0)
@@ -368,7 +364,7 @@ def bench_vllm(vllm):
                 outs = last.get("req") or last.get("both") or calls["both"]()
                 conv = []
                 for _ in range(repeats(T)):
-                    dt, cs = timed(lambda: to_completions(outs, ours), device)
+                    dt, cs = timed(lambda: R.vllm_completions(outs, ours), device)
                     assert sum(len(c[0].token_ids) for c in cs) == B * T and cs[0][0].logprobs is not None
                     conv.append(dt)
                 r["convert_wall_s"] = [round(x, 4) for x in conv]
