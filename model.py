@@ -164,8 +164,8 @@ class ModelConfig:
         return self.num_params(experts_per_token=self.num_experts_per_tok)
 
 
-# The published config.json fields that ModelConfig.from_hf reads, keyed by the lower-cased model directory name;
-# used only by --dry_run, to plan memory for the recipes in configs/ without the model present.
+# The published config.json fields that ModelConfig.from_hf reads, keyed by the lower-cased model directory name:
+# --dry_run plans the recipes in configs/ with them when the model is not present; bench/ builds random models of them.
 KNOWN_CONFIGS = {
     "qwen2.5-32b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120,
                         intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,

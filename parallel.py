@@ -1,26 +1,19 @@
 """
 Devices and multi-device training: the device type (cuda, npu or cpu) and its process-group backend, autocast,
 RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP, Ulysses SP, EP, per-block compile and FSDP2
-(bf16 compute over fp32 master weights); full weights in buckets for the rollout engine; distributed checkpoints,
-written atomically and checked completely before a resume touches the model.
+(bf16 compute over fp32 master weights); full weights in buckets for the rollout engine.
 """
-import errno
-import json
 import math
 import os
 import pickle
 import random
-import shutil
 import socket
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -453,160 +446,3 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
         for g in grads:
             g.detach().mul_(max_norm / (total + 1e-6))
     return total
-
-
-# -----------------------------------------------------------------------------
-# distributed checkpoints: out_dir/checkpoints/step_N/{dcp/, trainer_state.pt, COMPLETE, + an HF export}
-
-TRAINER_STATE_KEYS = ("step", "scheduler", "sampler", "rng")  # save_checkpoint adds rng
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that could not be written or is not fit to resume from. reason: one line, naming the file."""
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"checkpoint {path}: {reason}")
-        self.path, self.reason = path, reason
-
-
-def _cause(e: BaseException) -> BaseException:
-    """The first failed rank's exception behind DCP's CheckpointException (a BaseException); else e itself."""
-    if isinstance(e, CheckpointException) and e.failures:
-        first = next(iter(e.failures.values()))
-        return first[0] if isinstance(first, tuple) else first
-    return e
-
-
-def _one_line(e: BaseException) -> str:
-    e = _cause(e)
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
-def _write_problem(e: BaseException, tmp: str) -> str:
-    if isinstance(_cause(e), OSError) and _cause(e).errno == errno.ENOSPC:
-        return (f"No space left on device while writing {tmp}; removed it, older checkpoints are intact; free disk "
-                "space or point out_dir at a larger disk")
-    return f"writing {tmp} failed ({_one_line(e)}); removed it, older checkpoints are intact"
-
-
-def _agree(problem: str | None, dims: ParallelDims) -> str | None:
-    """The first rank's problem, on every rank (collective: every rank calls it at the same point)."""
-    return next((p for p in all_gather_objects(problem, dims) if p), None)
-
-
-def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims: ParallelDims, export=None):
-    """DCP model and optimizer shards (reloadable at any world size), the trainer state and every rank's RNG, and
-    export(tmp_dir) (collective: the HF export), in path + ".tmp", renamed once complete. A failed write removes the
-    .tmp directory and raises CheckpointError on every rank; older checkpoints are not touched."""
-    missing = [k for k in TRAINER_STATE_KEYS if k != "rng" and k not in trainer_state]
-    if missing:
-        raise ValueError(f"trainer_state lacks {', '.join(missing)}: a resume reads {', '.join(TRAINER_STATE_KEYS)}")
-    tmp, problem = path + ".tmp", None
-    if dims.is_main:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            problem = _write_problem(e, tmp)
-    problem = _agree(problem, dims)
-    if problem is None:
-        try:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"),
-                     no_dist=not dist.is_initialized(), process_group=dims.group)
-            rngs = all_gather_objects(rng_state(dims.device), dims)
-            if export is not None:
-                export(tmp)
-            if dims.is_main:
-                torch.save({**trainer_state, "rng": rngs}, os.path.join(tmp, "trainer_state.pt"))
-                with open(os.path.join(tmp, "COMPLETE"), "w") as f:
-                    f.write("ok\n")
-                shutil.rmtree(path, ignore_errors=True)
-                os.replace(tmp, path)
-        except (OSError, CheckpointException) as e:
-            problem = _write_problem(e, tmp)
-    problem = _agree(problem, dims)
-    if problem is not None:
-        if dims.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier(dims)
-        raise CheckpointError(path, problem)
-
-
-def complete_checkpoints(root: str) -> list[str]:
-    """step_N directories under root that have their COMPLETE marker, newest first."""
-    if not os.path.isdir(root):
-        return []
-    done = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()
-            and os.path.isfile(os.path.join(root, d, "COMPLETE"))]
-    return [os.path.join(root, d) for d in sorted(done, key=lambda d: -int(d[5:]))]
-
-
-def prune_checkpoints(root: str, keep_last: int, dims: ParallelDims):
-    """Delete all but the newest keep_last complete checkpoints (call only after a new one is complete)."""
-    if dims.is_main and keep_last > 0:
-        for old in complete_checkpoints(root)[keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(dims)
-
-
-def checkpoint_problem(path: str) -> str | None:
-    """Why the checkpoint at path is not fit to resume from, in one line naming the first file that fails, or None.
-    Checks every file without loading a model: COMPLETE, the trainer state's keys, the DCP metadata and each shard it
-    names (present, not shorter than its recorded items), the HF export's config.json."""
-    if not os.path.isdir(path):
-        return "no such directory"
-    if not os.path.isfile(os.path.join(path, "COMPLETE")):
-        return "COMPLETE is missing (the write did not finish)"
-    state_file = os.path.join(path, "trainer_state.pt")
-    if not os.path.isfile(state_file):
-        return "trainer_state.pt is missing"
-    try:
-        state = torch.load(state_file, weights_only=False)  # written by save_checkpoint: RNG states need pickle
-    except Exception as e:
-        return f"trainer_state.pt: {_one_line(e)}"
-    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        return f"trainer_state.pt lacks {', '.join(missing)}"
-    shards = os.path.join(path, "dcp")
-    if not os.path.isfile(os.path.join(shards, ".metadata")):
-        return "dcp/.metadata is missing"
-    try:
-        metadata = dcp.FileSystemReader(shards).read_metadata()
-        needed = {}  # shard file -> bytes its recorded items reach
-        for info in metadata.storage_data.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    except Exception as e:
-        return f"dcp/.metadata: {_one_line(e)}"
-    for name, size in sorted(needed.items()):
-        f = os.path.join(shards, name)
-        if not os.path.isfile(f):
-            return f"dcp/{name} is missing"
-        if os.path.getsize(f) < size:
-            return f"dcp/{name} is truncated ({os.path.getsize(f)} of {size} bytes)"
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            json.load(f)
-    except (OSError, ValueError) as e:
-        return f"config.json: {_one_line(e)}"
-    return None
-
-
-def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
-    """Load shards saved at any world size into this run's sharding, and this rank's RNG state -> the trainer state.
-    Every file is checked first, so a bad one raises CheckpointError before the model or optimizer changes. Should
-    DCP still fail (bytes corrupted in place), the shards are partly loaded: load another checkpoint, never train on."""
-    if (problem := checkpoint_problem(path)) is not None:
-        raise CheckpointError(path, problem)
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    sharded = {"model": model_sd, "optim": optim_sd}
-    try:
-        dcp.load(sharded, checkpoint_id=os.path.join(path, "dcp"), no_dist=not dist.is_initialized(),
-                 process_group=dims.group)
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise CheckpointError(path, f"dcp: {_one_line(e)}") from e
-    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
-    rngs = state.pop("rng")
-    set_rng_state(rngs[dims.rank % len(rngs)], dims.device)
-    return state

@@ -1,13 +1,18 @@
 """
-The --dry_run memory planner: per-GPU bytes of a train_dapo run from its Config and the model's shape, for
-either rollout engine (the built-in torch engine or vLLM), before any GPU is touched. memory_plan computes the
-terms, format_memory_plan prints them side by side for several GPU sizes.
+The dry run and the memory planner: `python train_dapo.py CONFIG --dry_run` checks the config, prints the batch
+arithmetic and the per-GPU bytes of the run from its Config and the model's shape, for either rollout engine (the
+built-in torch engine or vLLM), before any GPU is touched. memory_plan computes the terms, format_memory_plan prints
+them side by side for several GPU sizes; train_dapo.py also asks memory_plan for gradient_checkpointing="auto".
 """
 import dataclasses
 import math
+import os
 
+import data
 import parallel
 import rollout
+from config import ConfigError, check_config
+from model import KNOWN_CONFIGS, ModelConfig, load_config
 
 GiB = 2**30
 MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / generation: one at a time
@@ -38,9 +43,10 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     GPU (headroom for what the plan does not see), at most all but the last (its recompute follows its forward)."""
     m, L, asked = model_cfg, model_cfg.num_hidden_layers, cfg
     if cfg.gradient_checkpointing == "auto":
-        fits = lambda n: memory_plan(dataclasses.replace(cfg, gradient_checkpointing=n), m, world_size,  # noqa: E731
-                                     gpu_gib, runtime_gib, engine)["peak_gib"] <= 0.85 * gpu_gib
-        n = next((n for n in range(L - 1) if fits(n)), L - 1)
+        def fits_with(n_blocks):
+            with_n = dataclasses.replace(cfg, gradient_checkpointing=n_blocks)
+            return memory_plan(with_n, m, world_size, gpu_gib, runtime_gib, engine)["peak_gib"] <= 0.85 * gpu_gib
+        n = next((n for n in range(L - 1) if fits_with(n)), L - 1)
         cfg = dataclasses.replace(cfg, gradient_checkpointing=n or False)
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
     dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads, ep_size=ep,
@@ -68,8 +74,12 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib = {k: 0.0 if offload else v / GiB for k, v in state.items()}
     host_gib = sum(state.values()) / GiB if offload else 0.0
     gib.update(engine_weights=w * P / GiB, runtime=runtime_gib)
-    blocks = [attn / tp + norms + mlp / tp] * (n_moe < L) + [attn / tp + norms + router + experts / ep] * (n_moe > 0)
-    gib["working"] = 2 * w * (root + max(blocks)) / GiB
+    block_params = []  # one GPU's share of a block's weights, for each kind of block the model has
+    if n_moe < L:
+        block_params.append(attn / tp + norms + mlp / tp)  # dense
+    if n_moe > 0:
+        block_params.append(attn / tp + norms + router + experts / ep)  # MoE
+    gib["working"] = 2 * w * (root + max(block_params)) / GiB
     seq = cfg.max_prompt_length + cfg.max_response_length
     tokens = cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
     local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
@@ -146,9 +156,10 @@ def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
     if term in ("params", "grads", "optimizer", "ref_params"):
         return "param_offload=True + optimizer_offload=True (states to the host), or more GPUs (smaller shards)"
+    if term == "working" and moe:
+        return "ep_size (splits each MoE layer's experts over ep_size GPUs)"
     if term == "working":
-        return ("ep_size (splits each MoE layer's experts over ep_size GPUs)" if moe else
-                "tp_size (splits the unsharded block weights), or more GPUs")
+        return "tp_size (splits the unsharded block weights), or more GPUs"
     if term == "a2a_buffers":
         return f"{budget} (rows exchanged per MoE layer), or sp_size"
     if term == "vllm_awake":
@@ -157,9 +168,10 @@ def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     if term == "engine_weights":
         return ("rollout_engine='vllm' with gen_tp > 1 (each engine splits the weights over gen_tp GPUs; the "
                 "built-in engine holds a full copy on every GPU)")
+    if term == "activations" and cfg.gradient_checkpointing is not True:
+        return "gradient_checkpointing=True"
     if term == "activations":
-        return ("gradient_checkpointing=True" if cfg.gradient_checkpointing is not True else
-                f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)")
+        return f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)"
     if term == "logprob_buffer":
         return "logprob_chunk"
     if cfg.max_num_seqs > cfg.n:  # kv_cache
@@ -174,7 +186,9 @@ def format_memory_plan(plans: list[dict]) -> str:
     p0 = plans[0]
     head = [f"{p['gpu_gib']:g} GiB" for p in plans]
     width = max(14, *(len(x) + 2 for x in head))
-    cols = lambda vals: "".join(f"{v:>{width}}" for v in vals)  # noqa: E731
+
+    def cols(vals):
+        return "".join(f"{v:>{width}}" for v in vals)
     sp = f" x sp {p0['sp']}" if p0["sp"] > 1 else ""
     per_gpu = f" ({math.ceil(p0['tokens_per_micro_batch'] / p0['sp'])} per GPU)" if p0["sp"] > 1 else ""
     active = p0["num_active_params"] < p0["num_params"]
@@ -199,3 +213,65 @@ def format_memory_plan(plans: list[dict]) -> str:
                        f"term: {MEMORY_TERMS[p['largest']][1]} ({p['gib'][p['largest']]:.1f} GiB); turn: {p['knob']}")
     out += [f"  note: {n}" for n in dict.fromkeys(n for p in plans for n in p["notes"])]  # each note once
     return "\n".join(out)
+
+
+# -----------------------------------------------------------------------------
+# the dry run: batch arithmetic and the memory plan, before any GPU is touched
+
+def optimizer_steps_per_step(cfg) -> int:
+    """ppo_epochs passes over train_batch_size groups, one optimizer step per ppo_mini_batch_size groups."""
+    return cfg.ppo_epochs * cfg.train_batch_size // cfg.ppo_mini_batch_size
+
+
+def batch_arithmetic(cfg, world_size: int, num_train_prompts: int | None = None) -> dict:
+    """What one step generates and trains on, per rank and in all (README "Batch vocabulary" in ALGORITHM.md)."""
+    B, M, G = cfg.train_batch_size, cfg.ppo_mini_batch_size, cfg.n
+    dp = world_size // (cfg.tp_size * cfg.sp_size)
+    a = {"world_size": world_size, "prompts_per_gen_batch": cfg.gen_batch_size,
+         "trajectories_per_gen_batch": cfg.gen_batch_size * G, "trajectories_per_step": B * G,
+         "optimizer_steps_per_step": optimizer_steps_per_step(cfg), "mini_batch_trajectories": M * G,
+         "per_rank_mini_batch": M * G // dp}
+    if cfg.use_dynamic_bsz:
+        a["accumulation_steps"] = "token budget"
+    else:
+        a["accumulation_steps"] = a["per_rank_mini_batch"] // cfg.ppo_micro_batch_size_per_gpu
+    if num_train_prompts is not None:
+        a["train_prompts"] = num_train_prompts
+        a["steps_per_epoch (if no group is filtered)"] = math.ceil(num_train_prompts / B)
+    return a
+
+
+def dry_run(cfg):
+    """Check the config, print the batch arithmetic and a per-GPU memory plan; touches no GPU and needs
+    neither the model nor the data to be present (a known model shape and a note stand in)."""
+    world_size = int(os.environ.get("WORLD_SIZE", cfg.nnodes * cfg.n_gpus_per_node))  # torchrun's, else the config's
+    model_present = os.path.isfile(os.path.join(cfg.model_path, "config.json"))
+    files_present = all(os.path.isfile(f) for f in cfg.train_files + cfg.val_files)
+    check_config(cfg, world_size, check_files=model_present and files_present)
+    if model_present:
+        model_cfg = load_config(cfg.model_path)
+    else:
+        name = os.path.basename(os.path.normpath(os.path.expanduser(cfg.model_path))).lower()
+        if name not in KNOWN_CONFIGS:
+            raise ConfigError(f"model_path={cfg.model_path!r} has no config.json and {name!r} is not a known shape "
+                              f"({', '.join(sorted(KNOWN_CONFIGS))}); point model_path at the model directory")
+        model_cfg = ModelConfig.from_hf(KNOWN_CONFIGS[name])
+        print(f"note: {cfg.model_path} not found; planning with the published shape of {name}")
+    n_train = None
+    if files_present:
+        n_train = data.check_parquet_schema(cfg.train_files, cfg.prompt_key)
+    else:
+        print("note: data files not found; skipping their checks and the epoch arithmetic")
+    print(f"config OK ({model_cfg.architecture}, {model_cfg.num_params() / 1e9:.2f} B parameters, "
+          f"world size {world_size})")
+    trainer_ranks = world_size - cfg.rollout_gpus
+    for k, v in batch_arithmetic(cfg, trainer_ranks, n_train).items():
+        print(f"  {k}: {v}")
+    # what "auto" picks on a CUDA machine with this one's packages; "vllm" is planned even where it is not installed
+    if cfg.rollout_engine == "vllm":
+        engine = "vllm"
+    else:
+        engine = rollout.resolve_engine(cfg.rollout_engine, "cuda")
+    print(f"rollout engine planned for: {engine}")
+    plans = [memory_plan(cfg, model_cfg, trainer_ranks, gpu_gib, engine=engine) for gpu_gib in (80, 141)]
+    print(format_memory_plan(plans))

@@ -1,10 +1,12 @@
 """
-DAPO / GRPO training in one file: the config, the algorithm and the loop.
+DAPO / GRPO training: the Config, the algorithm and the loop, in the order of one step. Beside it, config.py reads
+and checks a Config, checkpoint.py saves and resumes, plan.py plans memory (--dry_run).
 
     python train_dapo.py configs/tiny.py                         # CPU demo: learns arithmetic in minutes
     python train_dapo.py configs/tiny.py --lr=3e-4 --n=4         # override any Config field
     python train_dapo.py configs/qwen32b.py --dry_run            # check the config, print batch arithmetic + memory
     python train_dapo.py --plot out/tiny                         # PNG of reward, accuracy, length, entropy
+    python train_dapo.py --plot out/a out/b --x=samples          # an ablation: one line per run
     torchrun --nproc-per-node 8 train_dapo.py configs/qwen2.5_7b_dapo.py
 
 The algorithm is DAPO (Yu et al. 2025): GRPO's group-normalised advantages with no critic, the clipped policy loss
@@ -19,35 +21,31 @@ One training step, in the order this file reads:
  3. score them (verifier + overlong shaping)   7. ppo_epochs x mini-batches of clipped policy-gradient updates
  4. keep groups with reward variance, refill   8. metrics, validation, checkpoint
 """
-import ast
 import contextlib
-import difflib
-import fcntl
-import importlib.util
+import functools
 import itertools
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
-import traceback
-import types
 import typing
 from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import data
 import parallel
 import plan
 import reward
+from checkpoint import CheckpointError, fault_point
+from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
-from model import (KNOWN_CONFIGS, ModelConfig, check_weights, from_pretrained, load_balancing_loss, load_config,
-                   pack_sequences, save_pretrained)
+from model import from_pretrained, load_balancing_loss, pack_sequences
 from rollout import SamplingParams, TorchEngine, VLLMEngine, engine_results, engine_share, resolve_engine
 
 # -----------------------------------------------------------------------------
@@ -70,7 +68,7 @@ class Config:
     shuffle: bool = True  # shuffle train prompts each epoch (seeded)
     # batch sizes (ALGORITHM.md "Batch vocabulary")
     train_batch_size: int = 32  # prompt groups per training step
-    gen_batch_size: int = 32  # prompts per generation round (dynamic sampling draws rounds until enough groups)
+    gen_batch_size: int = 32  # prompts per gen batch (dynamic sampling generates gen batches until enough groups)
     n: int = 8  # responses per prompt (group size)
     ppo_mini_batch_size: int = 32  # prompts per optimizer step
     ppo_micro_batch_size_per_gpu: int = 64  # trajectories per forward/backward (ignored with use_dynamic_bsz)
@@ -98,7 +96,7 @@ class Config:
     # dynamic sampling (DAPO)
     filter_groups: bool = True  # keep only groups whose metric varies
     filter_groups_metric: str = "acc"  # acc | score | seq_reward | seq_final_reward
-    max_num_gen_batches: int = 10  # generation rounds per step before giving up (0 = unlimited)
+    max_num_gen_batches: int = 10  # gen batches per step before giving up (0 = unlimited)
     # reward
     reward_fn: str | None = None  # "path/to/file.py:function_name", or None for the built-in verifiers
     reward_num_workers: int = 2  # scoring processes (0 = score inline, no timeout)
@@ -174,21 +172,12 @@ class Config:
     n_gpus_per_node: int = 1
 
 
-class ConfigError(ValueError):
-    """A bad knob, file or directory, found before any expensive work; the message names it and the fix."""
-
-
 class RunError(RuntimeError):
     """The run cannot continue (dynamic sampling starved, repeated non-finite updates, stale weights)."""
 
 
 # -----------------------------------------------------------------------------
 # the algorithm: small pure functions (tensors are [trajectories, response tokens] unless noted)
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-
 
 def compute_grpo_advantages(scores, group_ids, norm_by_std: bool = True, eps: float = 1e-6):
     """A_i = (R_i - mean_group) / (std_group + eps), std unbiased; a group of one has mean 0, std 1. [T] -> [T]"""
@@ -202,7 +191,7 @@ def compute_grpo_advantages(scores, group_ids, norm_by_std: bool = True, eps: fl
     return adv.float()
 
 
-def filter_groups(metric, group_ids):
+def varying_groups(metric, group_ids):
     """Keep the trajectories of groups whose metric is not constant, and every group of one. -> bool [T]
     Exact (max != min in the metric's dtype): a float std of identical values can round above 0."""
     _, group, size = torch.unique(group_ids, return_inverse=True, return_counts=True)
@@ -211,7 +200,7 @@ def filter_groups(metric, group_ids):
     return ((hi != lo) | (size == 1))[group]
 
 
-def kl_penalty(logp, ref_logp, kind: str):
+def token_kl(logp, ref_logp, kind: str):
     """Per-token KL estimate: kl (k1) | abs | mse (k2) | low_var_kl (k3, clamped)."""
     if kind == "kl":
         return logp - ref_logp
@@ -318,16 +307,24 @@ class Trajectories:
     ref_logp: torch.Tensor | None = None
     adv: torch.Tensor | None = None
     response_texts: list[str] | None = None  # decoded responses, as scored
+    answer_found: torch.Tensor | None = None  # [T] bool: the built-in verifier parsed an answer (None: a reward_fn)
     routed_experts: list | None = None  # router replay: per trajectory [prompt + response - 1, layers, top_k]
 
     def __len__(self):
         return len(self.response_ids)
 
     def select(self, idx: list[int]) -> "Trajectories":
-        t = torch.tensor(idx, dtype=torch.long)
-        pick = lambda v: (v[t] if isinstance(v, torch.Tensor) else [v[i] for i in idx] if isinstance(v, list)  # noqa
-                          else v)
-        return Trajectories(**{k: pick(v) for k, v in self.__dict__.items()})
+        """The trajectories at positions idx, in that order (every per-trajectory field; None stays None)."""
+        rows = torch.tensor(idx, dtype=torch.long)
+        picked = {}
+        for name, value in self.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                picked[name] = value[rows]
+            elif isinstance(value, list):
+                picked[name] = [value[i] for i in idx]
+            else:
+                picked[name] = value
+        return Trajectories(**picked)
 
     def total_tokens(self) -> int:
         return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
@@ -377,6 +374,9 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
         rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs) if c.logprobs is not None else math.nan
         mask[i, :len(c.token_ids)] = 1
     score = torch.tensor([r["score"] for r in results], dtype=torch.float32)
+    answer_found = None  # a custom reward_fn need not say whether it found an answer
+    if cfg.reward_fn is None:
+        answer_found = torch.tensor([r["pred"] is not None for r in results])
     overlong = [reward.overlong_penalty(len(c.token_ids), cfg.max_response_length, cfg.overlong_buffer_len,
                                         cfg.overlong_penalty_factor) if cfg.overlong_buffer else 0.0 for _, c in comps]
     traj = Trajectories(
@@ -386,6 +386,7 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
         data_sources=[p["data_source"] for p, _ in comps],
         acc=torch.tensor([float(r["acc"]) for r in results]), score=score,
         seq_reward=score + torch.tensor(overlong), response_texts=texts, versions=torch.full((len(comps),), version),
+        answer_found=answer_found,
         routed_experts=[c.routed_experts for _, c in comps] if cfg.router_replay else None)
     return traj, counts
 
@@ -430,17 +431,17 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
     return traj, {k: sum(c[k] for _, c in parts) for k in parts[0][1]}
 
 
-def generation_rounds(run: "Run", cfg: Config, *, step: int, version: int, timing: dict, counts: dict):
-    """Steps 1-3, round after round: sample gen_batch_size prompts, generate n responses each, score them (and
-    with use_kl_in_reward, subtract the KL penalty). Yields one round's Trajectories at a time."""
+def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dict, counts: dict):
+    """Steps 1-3, one gen batch after another: sample gen_batch_size prompts, generate n responses each, score them
+    (and with use_kl_in_reward, subtract the KL penalty). Yields one gen batch's Trajectories at a time."""
     for r in itertools.count(1):
         if run.rollouts is None:
             prompts = [run.train_prompts[i] for i in run.sampler.next_indices(cfg.gen_batch_size)]
             traj, c = rollout(run, cfg, prompts, train_params(cfg, run.tokenizer, cfg.seed + 1000 * step + r),
                               version=version, group_offset=r * cfg.gen_batch_size, timing=timing)
-        else:  # the oldest round asked ahead, or one asked now
+        else:  # the oldest gen batch asked ahead, or one asked now
             if not run.rollouts.pending:
-                run.rollouts.ask_round(version, timing)
+                run.rollouts.ask_gen_batch(version, timing)
             traj, c = run.rollouts.take(run.rollouts.pending[0], timing)
             traj.group_ids += r * cfg.gen_batch_size
         fault_point("gen", step)
@@ -451,14 +452,14 @@ def generation_rounds(run: "Run", cfg: Config, *, step: int, version: int, timin
             with timed("ref", timing):
                 traj.ref_logp = compute_logprobs(run.ref_model, traj, cfg, run.dims)
                 traj.old_logp = compute_logprobs(run.model, traj, cfg, run.dims)  # kept for step 6
-            kl = kl_penalty(traj.old_logp, traj.ref_logp, cfg.kl_penalty)
+            kl = token_kl(traj.old_logp, traj.ref_logp, cfg.kl_penalty)
             traj.seq_final_reward = traj.seq_reward - cfg.kl_coef * (kl * traj.response_mask).sum(-1)
         yield traj
 
 
 # -----------------------------------------------------------------------------
 # steps 1-3, asynchronous (rollout_gpus > 0): the last ranks generate while the others train. Trainer rank 0 asks for
-# rounds ahead (prompt indices from its sampler, sampling params, the policy version, that version's weights if the
+# gen batches ahead (prompt indices from its sampler, sampling params, the policy version, that version's weights if the
 # generators hold older ones); each generator generates and scores its share and sends it back, in the order asked.
 
 ASYNC_TIS_CAP = 2.0
@@ -466,7 +467,7 @@ ASYNC_TIS_CAP = 2.0
 
 @dataclass
 class Request:
-    """One round asked of the generators (None stops them)."""
+    """One gen batch asked of the generators (None stops them)."""
     indices: list[int]  # prompt indices into the train (or val) prompts
     params: SamplingParams
     version: int  # the policy version that generates it
@@ -475,14 +476,14 @@ class Request:
 
 
 class RolloutQueue:
-    """The trainer ranks' side. pending: rounds asked and not yet trained on, oldest first, each with the sampler state
+    """The trainer ranks' side. pending: gen batches asked and not yet trained on, oldest first, each with the sampler state
     from before its prompts were drawn: a checkpoint saves the oldest's, so a resumed run asks again for them."""
 
     def __init__(self, run: "Run", cfg: Config, version: int):
         self.run, self.cfg, self.pending, self.sends = run, cfg, [], []
         self.generators = range(run.dims.world_size, run.dims.world_size + cfg.rollout_gpus)
         self.held = 0 if version == 0 else None  # the generators' weights version: model_path's at a fresh start
-        self.asked = (version, 0)  # (version, rounds asked with it): the rounds' seeds
+        self.asked = (version, 0)  # (version, gen batches asked with it): their seeds
 
     def ask(self, indices: list[int], params: SamplingParams, version: int, timing: dict, sampler_state: dict | None,
             val: bool = False) -> dict:
@@ -505,8 +506,8 @@ class RolloutQueue:
         self.pending.append({"request": req, "sampler_state": sampler_state, "result": None})
         return self.pending[-1]
 
-    def ask_round(self, version: int, timing: dict):
-        """Draw gen_batch_size prompts and ask for a round of them with `version`'s weights."""
+    def ask_gen_batch(self, version: int, timing: dict):
+        """Draw gen_batch_size prompts and ask for a gen batch of them with `version`'s weights."""
         r = self.asked[1] + 1 if self.asked[0] == version else 1
         self.asked = (version, r)
         state = self.run.sampler.state_dict()
@@ -514,7 +515,7 @@ class RolloutQueue:
                  train_params(self.cfg, self.run.tokenizer, self.cfg.seed + 1000 * version + r), version, timing, state)
 
     def take(self, entry: dict, timing: dict) -> tuple[Trajectories, dict]:
-        """Wait for entry's round (rank 0 keeps the rounds that come back before it) and drop it from pending.
+        """Wait for entry's gen batch (rank 0 keeps those that come back before it) and drop it from pending.
         -> (trajectories, reward counts) on every trainer rank"""
         with timed("gen_wait", timing):
             while self.run.dims.is_main and entry["result"] is None:
@@ -528,7 +529,7 @@ class RolloutQueue:
         return traj, {k: sum(c[k] for _, c, _ in parts) for k in parts[0][1]}
 
     def close(self):
-        """Stop the generators after the rounds still asked (received and dropped); wait for every send."""
+        """Stop the generators after the gen batches still asked (received and dropped); wait for every send."""
         if self.run.dims.is_main:
             for g in self.generators:
                 self.sends += parallel.send_object(None, g)
@@ -540,8 +541,8 @@ class RolloutQueue:
         self.generators, self.sends = (), []
 
 
-def rounds_ahead(cfg: Config, step: int, total_steps: int) -> int:
-    """Rounds to have asked for while `step` trains: max_staleness (each step takes at least the oldest round, so
+def gen_batches_ahead(cfg: Config, step: int, total_steps: int) -> int:
+    """Gen batches to have asked for while `step` trains: max_staleness (each step takes at least the oldest, so
     none is older than that when trained on), but none still out at a checkpoint, which a resumed run would have to
     generate again with newer weights than the uninterrupted run used."""
     checkpoint = total_steps if cfg.save_freq <= 0 else min(total_steps, -(-step // cfg.save_freq) * cfg.save_freq)
@@ -550,7 +551,7 @@ def rounds_ahead(cfg: Config, step: int, total_steps: int) -> int:
 
 def serve_rollouts(run: "Run", cfg: Config):
     """A generator rank: until told to stop, take the next request from trainer rank 0, load the weights that come
-    with it (between rounds, never during one), generate and score this rank's share and send it back."""
+    with it (between gen batches, never during one), generate and score this rank's share and send it back."""
     dims, stop, sends = run.dims, StopFlag(run.log), []  # a signal reaches all ranks: the trainers decide the stop
     while (req := parallel.recv_object(0)) is not None:
         if req.weights:
@@ -570,38 +571,92 @@ def serve_rollouts(run: "Run", cfg: Config):
 # -----------------------------------------------------------------------------
 # step 4: dynamic sampling
 
+def group_outcomes(traj: Trajectories, cfg: Config) -> dict:
+    """Why dynamic sampling keeps or drops groups -> fractions of the groups whose filter metric varies (kept), and
+    of the constant ones, all correct (solved), all wrong, or neither; the fraction of responses in which the
+    verifier found no answer (None with a custom reward_fn), and the mean response length."""
+    varying = varying_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)
+    counts = {"varying": 0, "all_correct": 0, "all_wrong": 0, "constant_other": 0}
+    groups = torch.unique(traj.group_ids)
+    for g in groups:
+        rows = traj.group_ids == g
+        if varying[rows][0]:
+            counts["varying"] += 1
+        elif traj.acc[rows].all():
+            counts["all_correct"] += 1
+        elif not traj.acc[rows].any():
+            counts["all_wrong"] += 1
+        else:  # accuracy varies but the filter metric does not (e.g. a score that ignores correctness)
+            counts["constant_other"] += 1
+    out = {f"groups_{k}": v / len(groups) for k, v in counts.items()}
+    out["no_answer_frac"] = None
+    if traj.answer_found is not None:
+        out["no_answer_frac"] = 1 - traj.answer_found.float().mean().item()
+    out["response_length_mean"] = sum(len(r) for r in traj.response_ids) / len(traj)
+    return out
+
+
+def describe_outcomes(outcomes: dict) -> str:
+    """group_outcomes in words, for the progress line."""
+    text = (f"groups: {outcomes['groups_varying']:.0%} varying, {outcomes['groups_all_correct']:.0%} all correct, "
+            f"{outcomes['groups_all_wrong']:.0%} all wrong")
+    if outcomes["groups_constant_other"]:
+        text += f", {outcomes['groups_constant_other']:.0%} constant otherwise"
+    if outcomes["no_answer_frac"] is not None:
+        text += f"; {outcomes['no_answer_frac']:.0%} of responses without a parsable answer"
+    return text + f"; mean response length {outcomes['response_length_mean']:.0f} tokens"
+
+
+def likely_cause(outcomes: dict) -> str:
+    """The most likely reason no group (or too few) varies, from group_outcomes."""
+    if outcomes["no_answer_frac"] is not None and outcomes["no_answer_frac"] >= 0.9:
+        return ("no response matched the answer format (the verifier found no answer in "
+                f"{outcomes['no_answer_frac']:.0%} of them): check that the prompt asks for the format the "
+                "data_source's verifier reads")
+    if outcomes["groups_all_correct"] >= 0.9:
+        return "every group is solved: the data is too easy for the model"
+    if outcomes["groups_all_wrong"] >= 0.9:
+        return "every group fails: the data is too hard for the model (or its answers are judged wrong)"
+    if outcomes["groups_constant_other"] >= 0.5:
+        return "filter_groups_metric is constant within groups even where accuracy varies: choose another metric"
+    return "a mix of solved and failed groups; more gen batches should find varying ones"
+
+
 def kept_mask(traj: Trajectories, cfg: Config) -> torch.Tensor:
     """The trajectories dynamic sampling keeps: filter_groups on the metric named by filter_groups_metric."""
     if not cfg.filter_groups:
         return torch.ones(len(traj), dtype=torch.bool)
-    return filter_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)  # a Trajectories field
+    return varying_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)  # a Trajectories field
 
 
 class StopRequested(Exception):
     """A stop signal arrived while dynamic sampling was refilling: the step is abandoned, not trained."""
 
 
-def dynamic_sampling(rounds, cfg: Config, should_stop=lambda: False, progress=lambda r, kept: None):
-    """DAPO dynamic sampling: take generation rounds from the iterator `rounds` until train_batch_size groups whose
-    filter metric varies are collected, then keep exactly train_batch_size whole groups.
-    -> (training batch, all generated trajectories, rounds used)"""
+def dynamic_sampling(gen_batches, cfg: Config, should_stop=lambda: False, progress=None):
+    """DAPO dynamic sampling: take gen batches from the iterator `gen_batches` until train_batch_size groups whose
+    filter metric varies are collected, then keep exactly train_batch_size whole groups. progress(r, kept, generated)
+    is called after each gen batch (r of them so far, kept groups, the list of generated Trajectories).
+    -> (training batch, all generated trajectories, gen batches used)"""
     kept, generated, n_kept = [], [], 0
-    for r, traj in enumerate(rounds, start=1):
+    for r, traj in enumerate(gen_batches, start=1):
         generated.append(traj)
         keep = kept_mask(traj, cfg)
         if keep.any():
             kept.append(traj.select(keep.nonzero()[:, 0].tolist()))
             n_kept += int(keep.sum()) // cfg.n
-        progress(r, n_kept)
+        if progress is not None:
+            progress(r, n_kept, generated)
         if n_kept >= cfg.train_batch_size:
             break
         if cfg.max_num_gen_batches > 0 and r >= cfg.max_num_gen_batches:
+            outcomes = group_outcomes(concat_trajectories(generated, cfg.max_response_length), cfg)
             raise RunError(
-                f"dynamic sampling: after {cfg.max_num_gen_batches} generation rounds of {cfg.gen_batch_size} "
+                f"dynamic sampling: after {cfg.max_num_gen_batches} gen batches of {cfg.gen_batch_size} "
                 f"prompts only {n_kept} of train_batch_size={cfg.train_batch_size} groups have varying "
-                f"{cfg.filter_groups_metric}. The data may be too easy or too hard for the model; raise "
-                f"max_num_gen_batches (0 = unlimited) or gen_batch_size, change filter_groups_metric, or "
-                f"set filter_groups=False")
+                f"{cfg.filter_groups_metric} ({describe_outcomes(outcomes)}). Likely cause: "
+                f"{likely_cause(outcomes)}. Raise max_num_gen_batches (0 = unlimited) or gen_batch_size, change "
+                f"filter_groups_metric, or set filter_groups=False")
         if should_stop():
             raise StopRequested
     R = cfg.max_response_length
@@ -676,13 +731,13 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tens
 # -----------------------------------------------------------------------------
 # step 7: the policy update
 
-def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, dims, *, on_policy: bool) -> dict:
+def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, dims) -> dict:
     """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Every rank holds the whole batch and trains
     on its share of each mini-batch. One normalisation: a micro-batch's loss is its sum divided by the whole
     mini-batch's count (tokens or sequences, over all ranks), and gradients are summed over ranks (FSDP's division
     is off), so the gradient is the mini-batch's whatever the micro-batch split or world size.
-    on_policy: one pass over freshly generated data, so this forward's log-probs are the old ones (traj.old_logp
-    is not needed)."""
+    traj.old_logp None: the loop left the old log-probs to this update (old_logp_from_update): each forward's own
+    log-probs, detached, are the old ones."""
     mb_size = cfg.ppo_mini_batch_size * cfg.n
     budget = cfg.ppo_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
     device = model.output_weight.device
@@ -707,7 +762,10 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                                               router_loads=router_loads)
                 logp, ent = logp.float(), ent.float()
                 rollout_logp = traj.rollout_logp[mb].to(device)
-                old_logp = logp.detach() if on_policy else traj.old_logp[mb].to(device)
+                if traj.old_logp is None:
+                    old_logp = logp.detach()
+                else:
+                    old_logp = traj.old_logp[mb].to(device)
                 tis = truncated_is_weight(old_logp, rollout_logp, tis_cap(cfg)) if tis_cap(cfg) > 0 else None
                 agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length, count=count)
                 pg_loss, m = policy_loss(logp=logp, old_logp=old_logp, adv=traj.adv[mb].to(device), response_mask=mask,
@@ -718,7 +776,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss  # 0: no entropy backward
                 terms = {"pg_loss": pg_loss.detach(), "entropy": entropy.detach()}
                 if cfg.use_kl_loss:
-                    kl = agg_loss(kl_penalty(logp, traj.ref_logp[mb].to(device), cfg.kl_loss_type), **agg)
+                    kl = agg_loss(token_kl(logp, traj.ref_logp[mb].to(device), cfg.kl_loss_type), **agg)
                     loss = loss + cfg.kl_loss_coef * kl
                     terms["kl_loss"] = kl.detach()
                 if router_aux:  # over this micro-batch's tokens on all ranks (collective), averaged over micro-batches
@@ -727,7 +785,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                                               model.config.num_experts_per_tok) / len(mbs)
                     loss = loss + model.config.router_aux_loss_coef * aux
                     terms["router_aux_loss"] = aux.detach() / dims.dp  # every dp rank holds the same value
-                if on_policy and engine_logp:
+                if traj.old_logp is None and engine_logp:  # else the loop measured it on traj.old_logp
                     m["logp_mismatch"] = logp_mismatch(old_logp, rollout_logp, mask)
                 loss.backward()
                 finite &= torch.isfinite(loss.detach())
@@ -750,6 +808,14 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
     return out
 
 
+def old_logp_from_update(cfg: Config) -> bool:
+    """Can the update's own forward give the old log-probs? Only for one pass (one epoch, one mini-batch) over data
+    the current weights just generated, and when nothing needs them before the update: never in asynchronous mode
+    (the generators' weights lag) or with token rejection (it masks tokens by them)."""
+    one_pass = cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size
+    return one_pass and not cfg.rollout_gpus and cfg.rollout_rs_threshold < 0
+
+
 def make_scheduler(optimizer, cfg: Config, total_optimizer_steps: int):
     """Linear warmup (step s gets (s+1)/warmup of lr, so the first update is not wasted) then constant or cosine."""
     def factor(s):
@@ -760,10 +826,6 @@ def make_scheduler(optimizer, cfg: Config, total_optimizer_steps: int):
         progress = min(1.0, (s - cfg.lr_warmup_steps) / max(1, total_optimizer_steps - cfg.lr_warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def optimizer_steps_per_step(cfg: Config) -> int:
-    return cfg.ppo_epochs * cfg.train_batch_size // cfg.ppo_mini_batch_size
 
 
 # -----------------------------------------------------------------------------
@@ -796,7 +858,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR = None
     total_steps: int = 0
     out_dir_lock: typing.IO | None = None  # held by rank 0 for the whole run
-    rollouts: RolloutQueue | None = None  # async mode: rounds asked of the generator ranks
+    rollouts: RolloutQueue | None = None  # async mode: gen batches asked of the generator ranks
 
 
 def say(msg: str):
@@ -806,61 +868,58 @@ def say(msg: str):
 
 
 def train(cfg: Config):
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or device
+    check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or device
     run = setup(cfg)
     if run.dims.is_generator:
         return serve_rollouts(run, cfg)
     model, optimizer, scheduler, dims, log = run.model, run.optimizer, run.scheduler, run.dims, run.log
-    step = resume(cfg, run)
+    step = restore(cfg, run)
     run.rollouts = RolloutQueue(run, cfg, step) if cfg.rollout_gpus else None
     logger = Logger(cfg, resumed_step=step) if dims.is_main else None
     stop = StopFlag(log, on_force_exit=run.scorer.kill)
     bar = tqdm(total=run.total_steps, initial=step, desc="steps", dynamic_ncols=True,
                disable=not (dims.is_main and sys.stderr.isatty()))
     log(f"training {run.total_steps} steps on {dims.world_size} x {dims.device.type}; "
-        f"{json.dumps(batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
+        f"{json.dumps(plan.batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
     version = step  # the policy's weight version: an engine holding another refuses to generate
-    # one pass over fresh data: the update's own forward gives the old log-probs (never in async mode or with rejection)
-    on_policy = (cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size and not cfg.rollout_gpus
-                 and cfg.rollout_rs_threshold < 0)
     if run.val_prompts and cfg.val_before_train and step == 0:
-        metrics = validate_policy(run, cfg, version, step)
+        metrics = validate(run, cfg, version, step)
         if dims.is_main:
             logger.log(step, metrics)
     consecutive_skips = 0
     while step < run.total_steps:
         t_step = time.perf_counter()
-        timing = dict.fromkeys(("gen", "reward", "sync", "wake_sleep", "old_logp", "ref", "update") +
+        timing = dict.fromkeys(("gen", "reward", "sync", "wake_sleep", "old_log_prob", "ref", "update_actor") +
                                (("gen_wait", "weight_transfer") if cfg.rollout_gpus else ()), 0.0)
         counts = {}
         at_step_start = sampler_state(run), parallel.rng_state(dims.device)
 
-        # 1-4. generation rounds (sample prompts, generate, score) until train_batch_size groups have reward variance
+        # 1-4. gen batches (sample prompts, generate, score) until train_batch_size groups have reward variance
         try:
-            batch, generated, rounds = dynamic_sampling(
-                generation_rounds(run, cfg, step=step, version=version, timing=timing, counts=counts), cfg,
-                should_stop=lambda: stop.agreed(dims), progress=lambda r, kept: report_refill(r, kept, cfg, bar, log))
+            batch, generated, num_gen_batches = dynamic_sampling(
+                gen_batches(run, cfg, step=step, version=version, timing=timing, counts=counts), cfg,
+                should_stop=lambda: stop.agreed(dims), progress=functools.partial(report_refill, cfg=cfg, bar=bar, log=log))
         except StopRequested:  # leave as if this step never began: the resumed run draws the same prompts
             if run.rollouts is not None:
-                run.rollouts.close()  # rounds asked ahead are dropped: drawn again after the resume
+                run.rollouts.close()  # gen batches asked ahead are dropped: drawn again after the resume
             run.sampler.load_state_dict(at_step_start[0])
             parallel.set_rng_state(at_step_start[1], dims.device)
-            save(cfg, run, step)
+            save_checkpoint(cfg, run, step)
             log(f"stopped by signal while refilling step {step + 1}; resume with resume='auto'")
             break
 
         metrics = {}
-        if run.rollouts is not None:  # the generators make the next rounds while this step trains
-            while len(run.rollouts.pending) < rounds_ahead(cfg, step + 1, run.total_steps):
-                run.rollouts.ask_round(version, timing)
+        if run.rollouts is not None:  # the generators make the next gen batches while this step trains
+            while len(run.rollouts.pending) < gen_batches_ahead(cfg, step + 1, run.total_steps):
+                run.rollouts.ask_gen_batch(version, timing)
             metrics.update(async_metrics(run, batch, version, cfg))
 
         # 5. advantages from the (final) scalar reward, per group
         batch.adv = compute_grpo_advantages(batch.seq_final_reward, batch.group_ids, cfg.norm_adv_by_std)
 
-        # 6. old log-probs (recomputed unless on_policy) and reference log-probs; optional token rejection
-        with timed("old_logp", timing):
-            if not on_policy and batch.old_logp is None:
+        # 6. old log-probs (unless the update's forward gives them) and reference log-probs; optional token rejection
+        with timed("old_log_prob", timing):
+            if batch.old_logp is None and not old_logp_from_update(cfg):
                 batch.old_logp = compute_logprobs(model, batch, cfg, dims)
         if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
             metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
@@ -873,13 +932,12 @@ def train(cfg: Config):
                 batch.ref_logp = compute_logprobs(run.ref_model, batch, cfg, dims)
 
         # 7. update
-        with timed("update", timing):
-            metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, dims,
-                                         on_policy=batch.old_logp is None))
+        with timed("update_actor", timing):
+            metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, dims))
         version += 1
         step += 1
         fault_point("update", step)
-        all_skipped = metrics["actor/skipped_updates"] == optimizer_steps_per_step(cfg)
+        all_skipped = metrics["actor/skipped_updates"] == plan.optimizer_steps_per_step(cfg)
         consecutive_skips = consecutive_skips + 1 if all_skipped else 0
         if consecutive_skips >= cfg.max_consecutive_skips:
             raise RunError(f"{consecutive_skips} steps in a row had a non-finite loss or gradient norm and were "
@@ -890,16 +948,16 @@ def train(cfg: Config):
                 f"{cfg.logp_mismatch_warn}: engine and trainer disagree on log-probs (precision, weights?)")
 
         # 8. metrics, validation, checkpoint
-        metrics.update(rollout_metrics(generated, rounds, counts, cfg))
+        metrics.update(rollout_metrics(generated, num_gen_batches, counts, cfg))
         metrics["sampler/epoch"] = run.sampler.epoch
         last = step == run.total_steps
         if run.val_prompts and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or last):
-            with timed("val", timing):
-                metrics.update(validate_policy(run, cfg, version, step))
+            with timed("testing", timing):
+                metrics.update(validate(run, cfg, version, step))
         timing["step"] = time.perf_counter() - t_step
         if run.rollouts is None:  # colocated: what no phase accounts for (Python between phases, metrics, logging)
             timing["other"] = timing["step"] - sum(v for k, v in timing.items() if k != "step")
-        metrics.update({f"timing/{k}": v for k, v in timing.items()})
+        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})  # verl's names
         metrics["perf/tokens_per_s"] = batch.total_tokens() / timing["step"]
         metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / (dims.world_size + cfg.rollout_gpus)
         if dims.device.type != "cpu":
@@ -909,7 +967,7 @@ def train(cfg: Config):
         bar.update(1)
         stopping = stop.agreed(dims)
         if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or (last and cfg.save_freq >= 0) or stopping:
-            save(cfg, run, step)
+            save_checkpoint(cfg, run, step)
         if stopping:
             log(f"stopped by signal after step {step}; checkpoint written, resume with resume='auto'")
             break
@@ -927,7 +985,7 @@ def train(cfg: Config):
 def setup(cfg: Config) -> Run:
     """Devices, data, reward, rollout engine, policy (+ reference), optimizer: cheap things that can fail first."""
     dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size, cfg.ep_size, cfg.rollout_gpus)
-    out_dir_lock = lock_out_dir(cfg.out_dir) if dims.is_main else None  # before anything is written there
+    out_dir_lock = checkpoint.lock_out_dir(cfg.out_dir) if dims.is_main else None  # before anything is written there
     try:
         engine_kind = resolve_engine(cfg.rollout_engine, dims.device.type)  # vllm installed? (a dry run needs not)
     except ValueError as e:
@@ -942,12 +1000,8 @@ def setup(cfg: Config) -> Run:
             json.dump(asdict(cfg), f, indent=2)
 
     tokenizer = Tokenizer.from_pretrained(cfg.model_path)
-    load = lambda files, k: data.load_prompts(  # noqa: E731
-        files, tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
-        truncation=cfg.truncation, filter_overlong_prompts=cfg.filter_overlong_prompts, max_samples=k,
-        chat_template_kwargs=cfg.chat_template_kwargs)
-    train_prompts = load(cfg.train_files, cfg.train_max_samples)
-    val_prompts = load(cfg.val_files, cfg.val_max_samples) if cfg.val_files else []
+    train_prompts = load_prompts(cfg, tokenizer, cfg.train_files, cfg.train_max_samples)
+    val_prompts = load_prompts(cfg, tokenizer, cfg.val_files, cfg.val_max_samples) if cfg.val_files else []
     reward.check_data_sources({p["data_source"] for p in train_prompts + val_prompts}, cfg.reward_fn)
     sampler = data.PromptSampler(len(train_prompts), seed=cfg.seed, shuffle=cfg.shuffle)
     scoring = not cfg.rollout_gpus or dims.is_generator  # async mode: trainer ranks score nothing
@@ -956,35 +1010,41 @@ def setup(cfg: Config) -> Run:
     if dims.is_generator:  # async mode: a built-in engine with its own copy of the weights; no policy, no optimizer
         engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
                              max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=cfg.compile)
-        return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, 1, compute_dtype, log)
+        return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
+                   sampler=sampler, scorer=scorer, engine=engine, gen_tp=1, compute_dtype=compute_dtype, log=log)
 
     # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
     # sleeps (weights and cache released) until the first rollout
     engine, gen_tp = None, cfg.gen_tp
     if engine_kind == "vllm" and not cfg.rollout_gpus:
         t0 = time.perf_counter()
+        engine_kwargs = dict(cfg.vllm_kwargs)
+        if cfg.router_replay:
+            engine_kwargs["enable_return_routed_experts"] = True
         engine = VLLMEngine(cfg.model_path, gen_tp=gen_tp, gpu_memory_utilization=cfg.gpu_memory_utilization,
                             max_model_len=cfg.max_prompt_length + cfg.max_response_length,
                             max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
                             enable_chunked_prefill=cfg.enable_chunked_prefill,
                             max_num_batched_tokens=cfg.max_num_batched_tokens or None, seed=cfg.seed,
-                            dtype=cfg.dtype, engine_kwargs=dict(cfg.vllm_kwargs, enable_return_routed_experts=True)
-                            if cfg.router_replay else cfg.vllm_kwargs)
+                            dtype=cfg.dtype, engine_kwargs=engine_kwargs)
         log(f"rollout engine: vLLM, {dims.world_size // gen_tp} engine(s) of TP {gen_tp}, started in "
             f"{time.perf_counter() - t0:.0f} s; {engine.awake_bytes / 2**30:.1f} GiB each while awake")
 
     # the policy: fp32 master weights. A CPU process: a plain fp32 module. Else TP / SP / FSDP2 shards (one GPU is a
     # mesh of one) computing in bf16; a rollout engine then holds its own weights, pushed before every rollout.
-    shard = (lambda m: parallel.parallelize(m, dims, param_dtype=compute_dtype,  # noqa: E731
-                                            offload=cfg.param_offload or cfg.optimizer_offload,
-                                            compile=cfg.compile)) if dims.sharded else None
+    shard = None  # how from_pretrained wraps each module it builds
+    if dims.sharded:
+        shard = functools.partial(parallel.parallelize, dims=dims, param_dtype=compute_dtype,
+                                  offload=cfg.param_offload or cfg.optimizer_offload, compile=cfg.compile)
     model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
     ckpt = cfg.gradient_checkpointing
-    if ckpt == "auto":  # the memory plan's choice for this GPU; on a CPU checkpointing stays on
-        gpu_gib = 0 if dims.device.type == "cpu" else \
-            torch.get_device_module(dims.device.type).get_device_properties(dims.device).total_memory / 2**30
-        ckpt = not gpu_gib or plan.memory_plan(cfg, model.config, dims.world_size, gpu_gib,
-                                               engine=engine_kind)["gradient_checkpointing"]
+    if ckpt == "auto" and dims.device.type == "cpu":  # no memory plan for the host: checkpointing stays on
+        ckpt = True
+    elif ckpt == "auto":  # the memory plan's choice for this GPU
+        props = torch.get_device_module(dims.device.type).get_device_properties(dims.device)
+        gpu_gib = props.total_memory / 2**30
+        ckpt = plan.memory_plan(cfg, model.config, dims.world_size, gpu_gib,
+                                engine=engine_kind)["gradient_checkpointing"]
         log(f"gradient_checkpointing='auto' on {gpu_gib:.0f} GiB GPUs: {ckpt}")
     model.gradient_checkpointing = ckpt
     ref_model = None
@@ -995,82 +1055,60 @@ def setup(cfg: Config) -> Run:
         log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s) with the built-in engine, "
             f"max_staleness={cfg.max_staleness}, tis_imp_ratio_cap={tis_cap(cfg)}")
     elif engine is None:  # the built-in engine: the trainer's own module on a CPU, else a full bf16 copy
-        gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device) if dims.sharded else model
-        engine, gen_tp = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded,
-                                     compile=cfg.compile), 1  # validate: compile=True only where dims.sharded
-        log(f"rollout engine: torch (built-in{', CUDA graphs' if engine.use_cuda_graph else ''}"
-            f"{', compiled blocks' if cfg.compile else ''})")
+        gen_model = model
+        if dims.sharded:
+            gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device)
+        # check_config allows compile=True only where dims.sharded: never on the trainer's own module
+        engine = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded,
+                             compile=cfg.compile)
+        gen_tp = 1
+        features = ["built-in"]
+        if engine.use_cuda_graph:
+            features.append("CUDA graphs")
+        if cfg.compile:
+            features.append("compiled blocks")
+        log(f"rollout engine: torch ({', '.join(features)})")
     fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                   fused=fused or None)  # None, not False: False would turn foreach off too
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
-    scheduler = make_scheduler(optimizer, cfg, total_steps * optimizer_steps_per_step(cfg))
-    return Run(dims, tokenizer, train_prompts, val_prompts, sampler, scorer, engine, gen_tp, compute_dtype, log, model,
-               ref_model, optimizer, scheduler, total_steps, out_dir_lock)
+    scheduler = make_scheduler(optimizer, cfg, total_steps * plan.optimizer_steps_per_step(cfg))
+    return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, sampler=sampler,
+               scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype, log=log, model=model,
+               ref_model=ref_model, optimizer=optimizer, scheduler=scheduler, total_steps=total_steps,
+               out_dir_lock=out_dir_lock)
 
 
-def resume(cfg: Config, run: Run) -> int:
-    """Load the newest usable checkpoint (resume='auto') or the given one; -> the step it holds (0 = fresh start).
-    All or nothing: a checkpoint is checked completely before anything is loaded from it; an unusable one is
-    reported and the previous one tried; if checkpoints exist but none is usable, the run stops."""
-    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    candidates = {"auto": parallel.complete_checkpoints(ckpt_root), "disable": []}.get(cfg.resume, [cfg.resume])
-    tried = []
-    for ckpt in candidates:  # newest first
-        problem = parallel.checkpoint_problem(ckpt) or different_model(ckpt, run.model.config)
-        if problem is None:
-            try:
-                state = parallel.load_checkpoint(ckpt, run.model, run.optimizer, run.dims)
-            except parallel.CheckpointError as e:  # shards half loaded: only a complete older one may replace them
-                problem = f"{e.reason} (loading stopped part way)"
-        if problem is not None:
-            if cfg.resume != "auto":
-                raise ConfigError(f"cannot resume from {ckpt}: {problem}")
-            run.log(f"warning: checkpoint {ckpt} is unusable ({problem}); trying the previous one")
-            tried.append(f"{ckpt}: {problem}")
-            continue
-        run.scheduler.load_state_dict(state["scheduler"])
-        run.sampler.load_state_dict(state["sampler"])
-        apply_optimizer_knobs(cfg, run.optimizer, run.scheduler, run.log)
-        run.log(f"resumed from {ckpt} at step {state['step']}")
-        return state["step"]
-    if tried:
-        raise ConfigError("no usable checkpoint to resume from; tried:\n  " + "\n  ".join(tried) +
-                          f"\nmove the broken ones out of {ckpt_root}, or start over in a new out_dir")
-    return 0
+def load_prompts(cfg: Config, tokenizer, files: list[str], max_samples: int) -> list[dict]:
+    """The prompts of parquet files, chat-templated and tokenized with the config's length rules."""
+    return data.load_prompts(files, tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
+                             truncation=cfg.truncation, filter_overlong_prompts=cfg.filter_overlong_prompts,
+                             max_samples=max_samples, chat_template_kwargs=cfg.chat_template_kwargs)
 
 
-def apply_optimizer_knobs(cfg: Config, optimizer, scheduler, log):
-    """After a resume, this run's lr, betas and weight decay replace the checkpoint's (said when they differ); the
-    schedule's shape comes from the config, its position from the checkpoint."""
-    group = optimizer.param_groups[0]
-    saved = {"lr": scheduler.base_lrs[0], "betas": tuple(group["betas"]), "weight_decay": group["weight_decay"]}
-    for k, old in saved.items():
-        if old != getattr(cfg, k):
-            log(f"resume: {k}={getattr(cfg, k)} replaces the checkpoint's {old}")
-    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
-    for group in optimizer.param_groups:
-        group.update(lr=cfg.lr * factor, initial_lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+def restore(cfg: Config, run: Run) -> int:
+    """Load the checkpoint cfg.resume names ('auto': the newest usable one in out_dir) into the policy, optimizer,
+    scheduler and sampler -> the step it holds (0 = a fresh start). checkpoint.resume_state says what all-or-nothing means."""
+    state = checkpoint.resume_state(cfg.resume, cfg.out_dir, run.model, run.optimizer, run.dims, run.log)
+    if state is None:
+        return 0
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.sampler.load_state_dict(state["sampler"])
+    checkpoint.apply_optimizer_knobs(cfg, run.optimizer, run.scheduler, run.log)
+    return state["step"]
 
 
-def save(cfg: Config, run: Run, step: int):
+def save_checkpoint(cfg: Config, run: Run, step: int):
     """Checkpoint (sharded model + optimizer, trainer state, an HF export), written atomically; prune old ones."""
-    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    path = os.path.join(ckpt_root, f"step_{step}")
-    if step == 0 or cfg.save_freq < 0 or os.path.isfile(os.path.join(path, "COMPLETE")):  # nothing new to save
+    if step == 0 or cfg.save_freq < 0:  # nothing trained yet, or checkpoints are off
         return
     state = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": sampler_state(run)}
-
-    def export(tmp):  # runs between the sharded write and the COMPLETE marker
-        export_hf(run.model, tmp, run.dims, run.compute_dtype, source_dir=cfg.model_path)
-        fault_point("checkpoint", step)
-    parallel.save_checkpoint(path, run.model, run.optimizer, state, run.dims, export)
-    parallel.prune_checkpoints(ckpt_root, cfg.keep_last, run.dims)
+    checkpoint.save(cfg.out_dir, step, run.model, run.optimizer, state, run.dims, dtype=run.compute_dtype,
+                    model_path=cfg.model_path, keep_last=cfg.keep_last)
 
 
-def validate_policy(run: Run, cfg: Config, version: int, step: int) -> dict:
+def validate(run: Run, cfg: Config, version: int, step: int) -> dict:
     """Generate for the validation prompts (val_n each, val sampling knobs) and score: mean@val_n accuracy."""
     params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature if cfg.val_do_sample else 0.0,
                             top_p=cfg.val_top_p, top_k=cfg.val_top_k, max_tokens=cfg.max_response_length,
@@ -1078,35 +1116,37 @@ def validate_policy(run: Run, cfg: Config, version: int, step: int) -> dict:
     timing = {}
     if run.rollouts is None:
         traj, _ = rollout(run, cfg, run.val_prompts, params, version=version, group_offset=0, timing=timing)
-    else:  # on the generators, after the rounds asked before
+    else:  # on the generators, after the gen batches asked before
         entry = run.rollouts.ask(list(range(len(run.val_prompts))), params, version, timing, None, val=True)
         traj, _ = run.rollouts.take(entry, timing)
     if run.dims.is_main:
         save_val_generations(traj, run.val_prompts, run.tokenizer, cfg, step)
-    return {**validation_metrics(traj), "timing/sync_val": timing.get("sync", 0.0)}
+    return {**validation_metrics(traj), "timing_s/sync_val": timing.get("sync", 0.0)}
 
 
-def rollout_metrics(generated: Trajectories, rounds: int, counts: dict, cfg: Config) -> dict:
-    """What the step generated (all rounds, kept or not)."""
+def rollout_metrics(generated: Trajectories, num_gen_batches: int, counts: dict, cfg: Config) -> dict:
+    """What the step generated (all gen batches, kept or not)."""
     lens = torch.tensor([len(r) for r in generated.response_ids], dtype=torch.float32)
     return {"train/acc": generated.acc.mean().item(), "train/score_mean": generated.score.mean().item(),
             "train/seq_reward_mean": generated.seq_reward.mean().item(),
             "response_length/mean": lens.mean().item(), "response_length/max": lens.max().item(),
             "response_length/clip_ratio": (lens >= cfg.max_response_length).float().mean().item(),
-            "sampling/num_gen_batches": rounds,
-            "sampling/kept_group_frac": int(kept_mask(generated, cfg).sum()) // cfg.n / (rounds * cfg.gen_batch_size),
+            "sampling/num_gen_batches": num_gen_batches,
+            "sampling/kept_group_frac": int(kept_mask(generated, cfg).sum()) // cfg.n / (num_gen_batches * cfg.gen_batch_size),
+            **{f"sampling/{k}": v for k, v in group_outcomes(generated, cfg).items()
+               if k != "response_length_mean" and v is not None},
             **{f"reward/{k}": v for k, v in counts.items()}}
 
 
 def sampler_state(run: Run) -> dict:
-    """The sampler as it was before the oldest round not yet trained on was drawn (async mode: rounds asked ahead)."""
+    """The sampler as it was before the oldest gen batch not yet trained on was drawn (async mode: gen batches asked ahead)."""
     pending = run.rollouts.pending if run.rollouts is not None else []
     return pending[0]["sampler_state"] if pending else run.sampler.state_dict()
 
 
 def async_metrics(run: Run, batch: Trajectories, version: int, cfg: Config) -> dict:
     """How many versions behind the policy the batch's weights were (beyond max_staleness is a bug: RunError), and
-    the prompts of all rounds trained on so far (the sampler's position: each round's prompts follow the last's)."""
+    the prompts of all gen batches trained on so far (the sampler's position: each one's prompts follow the last's)."""
     staleness = (version - batch.versions).float()
     if staleness.max() > cfg.max_staleness:
         raise RunError(f"step {version + 1} got trajectories {int(staleness.max())} policy versions old, more than "
@@ -1116,11 +1156,25 @@ def async_metrics(run: Run, batch: Trajectories, version: int, cfg: Config) -> d
             "sampler/consumed_prompts": s["epoch"] * s["num_prompts"] + s["position"]}
 
 
-def report_refill(r: int, kept: int, cfg: Config, bar, log):
-    if r > 1:
-        bar.set_postfix_str(f"refill round {r}, {kept}/{cfg.train_batch_size} groups")
-        if r % 5 == 0:
-            log(f"dynamic sampling: round {r}, {kept} of {cfg.train_batch_size} groups kept so far")
+DIAGNOSE_EVERY = 3  # gen batches between the dynamic-sampling progress lines of one step
+
+
+def report_refill(r: int, kept: int, generated: list[Trajectories], cfg: Config, bar, log):
+    """Dynamic sampling's progress: the progress bar after every gen batch; every DIAGNOSE_EVERY gen batches a line
+    saying why groups are dropped, and once no group at all was kept, one sampled response and the likely cause."""
+    if r == 1:
+        return
+    bar.set_postfix_str(f"gen batch {r}, {kept}/{cfg.train_batch_size} groups")
+    if r % DIAGNOSE_EVERY:
+        return
+    traj = concat_trajectories(generated, cfg.max_response_length)
+    outcomes = group_outcomes(traj, cfg)
+    log(f"dynamic sampling: gen batch {r}, {kept} of {cfg.train_batch_size} groups kept so far; "
+        f"{describe_outcomes(outcomes)}")
+    if kept == 0 and r == DIAGNOSE_EVERY:
+        i = int(torch.randint(len(traj), (1,), generator=torch.Generator().manual_seed(r)))
+        log(f"dynamic sampling: no group kept after {r} gen batches; likely cause: {likely_cause(outcomes)}. "
+            f"A sampled response (score {traj.score[i].item():g}): {traj.response_texts[i][:300]!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -1142,33 +1196,6 @@ def save_val_generations(traj: Trajectories, val_prompts, tokenizer, cfg: Config
             f.write(json.dumps({"prompt": tokenizer.decode(p["prompt_ids"], skip_special_tokens=False),
                                 "response": traj.response_texts[i], "ground_truth": p["ground_truth"],
                                 "score": traj.score[i].item()}) + "\n")
-
-
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 "generation_config.json", "vocab.json", "merges.txt")
-
-
-def export_hf(model, path: str, dims, dtype, source_dir: str | None = None):
-    """Full weights gathered bucket by bucket, written by rank 0 as an HF model directory (transformers/vLLM), with
-    the tokenizer and generation files of source_dir, so the export works as a model_path."""
-    full = {}
-    for bucket in parallel.iter_full_weights(model, dtype=dtype):
-        if dims.is_main:
-            full.update((k, v.cpu()) for k, v in bucket)
-    if dims.is_main:
-        save_pretrained(model, path, state_dict=full)
-        for name in HF_SIDE_FILES if source_dir else ():
-            if os.path.isfile(os.path.join(source_dir, name)):
-                shutil.copy2(os.path.join(source_dir, name), os.path.join(path, name))
-
-
-def different_model(path: str, cur: ModelConfig) -> str | None:
-    """Why the checkpoint's model is not this run's, or None."""
-    saved = load_config(path)
-    fields_ = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    diff = [f"{f}: checkpoint {getattr(saved, f)} vs model_path {getattr(cur, f)}" for f in fields_
-            if getattr(saved, f) != getattr(cur, f)]
-    return f"it holds a different model ({'; '.join(diff)})" if diff else None
 
 
 class StopFlag:
@@ -1196,12 +1223,6 @@ class StopFlag:
     def restore(self):
         for s, h in self.previous.items():
             signal.signal(s, h)
-
-
-def fault_point(name: str, step: int):
-    """Fault-injection hook for the crash tests: NANODAPO_FAULT=name:step kills this process with SIGKILL."""
-    if os.environ.get("NANODAPO_FAULT") == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -1252,346 +1273,116 @@ class Logger:
         if "console" in self.cfg.logger:
             keys = [("val/acc", "val_acc"), ("train/acc", "acc"), ("train/score_mean", "score"),
                     ("response_length/mean", "len"), ("actor/entropy", "ent"), ("actor/pg_clipfrac", "clip"),
-                    ("sampling/num_gen_batches", "gen_rounds"), ("timing/step", "s")]
+                    ("sampling/num_gen_batches", "gen_batches"), ("timing_s/step", "s")]
             say(f"step {step:4d} | " + " | ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics))
 
 
-def lock_out_dir(out_dir: str):
-    """An exclusive lock on out_dir/.lock for the life of the process: two runs never share an out_dir.
-    -> the open lock file (keep it referenced)."""
-    f = open(os.path.join(out_dir, ".lock"), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        raise ConfigError(f"out_dir={out_dir!r} is in use by pid {holder} (another nanodapo run); wait for it or "
-                          "stop it, or choose another out_dir") from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
-
-
 # -----------------------------------------------------------------------------
-# command line: config files and overrides, validation, --dry_run, --plot
+# command line: train, --dry_run, --plot
 
-def _type_ok(value, tp) -> bool:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in args)
-    if tp is type(None):
-        return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
-    if tp is dict:
-        return isinstance(value, dict)
-    if origin is tuple:
-        return isinstance(value, (tuple, list)) and len(value) == len(args) and all(
-            _type_ok(v, a) for v, a in zip(value, args))
-    return isinstance(value, tp)
+PLOT_PANELS = [("train/score_mean", "reward (score)"), ("train/acc", "accuracy (train)"),
+               ("val/acc", "accuracy (validation)"), ("response_length/mean", "response length"),
+               ("actor/entropy", "entropy")]
+PLOT_X = {"step": "training step", "samples": "responses generated", "time": "wall-clock (s)"}
 
 
-def _set(cfg: Config, key: str, value, where: str):
-    hints = typing.get_type_hints(Config)
-    if key not in hints:
-        close = difflib.get_close_matches(key, hints, n=1)
-        raise ConfigError(f"unknown config key {key!r} ({where})" + (f"; did you mean {close[0]!r}?" if close else ""))
-    tp = hints[key]
-    if isinstance(value, str) and typing.get_origin(tp) is list:
-        value = [value]  # train_files="a.parquet" means one file
-    if not _type_ok(value, tp):
-        raise ConfigError(f"{key}={value!r} ({where}) has type {type(value).__name__}; expected "
-                          f"{getattr(tp, '__name__', str(tp))}")
-    if typing.get_origin(tp) is tuple:
-        value = tuple(value)
-    if tp is float or float in typing.get_args(tp):
-        value = float(value) if isinstance(value, int) else value
-    setattr(cfg, key, value)
-
-
-def run_config_file(path: str) -> dict:
-    """Execute a config file (plain Python assignments) -> its namespace; errors name the file and line."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} not found")
-    scope = {}
-    try:
-        exec(compile(open(path).read(), path, "exec"), scope)
-    except SyntaxError as e:
-        raise ConfigError(f"config file {path} line {e.lineno}: syntax error: {e.msg}") from None
-    except Exception as e:  # noqa: BLE001 (any error in the user's Python)
-        line = next((fr.lineno for fr in reversed(traceback.extract_tb(e.__traceback__)) if fr.filename == path), "?")
-        raise ConfigError(f"config file {path} line {line}: {type(e).__name__}: {e}") from None
-    return scope
-
-
-def parse_args(argv: list[str]) -> tuple[Config, dict]:
-    """CONFIG.py (plain Python assignments) then --key=value overrides (ast.literal_eval, bare strings ok)."""
-    cfg, flags = Config(), {"dry_run": False}
-    for arg in argv:
-        if arg == "--dry_run":
-            flags["dry_run"] = True
-        elif arg.startswith("--"):
-            key, eq, raw = arg[2:].partition("=")
-            if not eq:
-                raise ConfigError(f"{arg}: overrides are written --key=value")
-            try:
-                value = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                value = raw  # a bare string
-            _set(cfg, key, value, f"command line {arg}")
-        else:
-            for key, value in run_config_file(arg).items():
-                if not key.startswith("_") and not isinstance(value, (types.ModuleType, types.FunctionType, type)):
-                    _set(cfg, key, value, f"config file {arg}")
-    return cfg, flags
-
-
-# the allowed range of every numeric knob: (test, what the message says is allowed)
-POSITIVE = (lambda v: v > 0, "> 0")
-NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
-ALL_OR_POSITIVE = (lambda v: v == -1 or v > 0, "-1 (all) or > 0")
-OFF_OR_POSITIVE = (lambda v: v == -1 or v > 0, "-1 (off) or > 0")
-KNOB_RANGES = {
-    **{k: POSITIVE for k in (
-        "train_batch_size", "gen_batch_size", "n", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
-        "max_prompt_length", "max_response_length", "log_prob_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
-        "log_prob_max_token_len_per_gpu", "max_num_seqs", "total_epochs", "logprob_chunk", "val_n", "reward_timeout",
-        "weight_sync_bucket_mb", "max_consecutive_skips", "temperature", "gen_tp", "tp_size", "sp_size", "ep_size",
-        "nnodes", "n_gpus_per_node", "max_staleness")},
-    **{k: NON_NEGATIVE for k in (
-        "lr", "weight_decay", "lr_warmup_steps", "seed", "total_training_steps", "test_freq", "keep_last",
-        "max_num_gen_batches", "reward_num_workers", "kl_loss_coef", "kl_coef", "overlong_penalty_factor",
-        "log_val_generations", "cpu_threads", "val_temperature", "max_num_batched_tokens", "logp_mismatch_warn",
-        "rollout_gpus")},
-    "train_max_samples": ALL_OR_POSITIVE, "val_max_samples": ALL_OR_POSITIVE,
-    "top_k": OFF_OR_POSITIVE, "val_top_k": OFF_OR_POSITIVE,
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"), "save_freq": (lambda v: v >= -1, ">= -1 (-1 = never)"),
-    "clip_ratio_low": (lambda v: 0 <= v < 1, "in [0, 1)"), "clip_ratio_high": NON_NEGATIVE,
-    "clip_ratio_c": (lambda v: v > 1, "> 1 (dual clip)"),
-    "gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "tis_imp_ratio_cap": (lambda v: v == -1 or v >= 1, "-1 (off) or a cap >= 1, e.g. 2"),
-    "rollout_rs_threshold": (lambda v: v == -1 or v > 1, "-1 (off) or a threshold > 1, e.g. 2"),
-    "grad_clip": (lambda v: v > 0, "> 0 (0 would zero every update and a negative value flip the gradients); "
-                                   "float('inf') in a config file turns clipping off"),
-    "betas": (lambda v: all(0 <= b < 1 for b in v), "two values in [0, 1)"),
-}
-CHOICES = {"loss_agg_mode": AGG_MODES, "kl_loss_type": KL_TYPES, "kl_penalty": KL_TYPES,
-           "filter_groups_metric": FILTER_METRICS, "truncation": data.TRUNCATION_MODES,
-           "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch", "vllm"),
-           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32")}
-LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-
-
-def validate(cfg: Config, world_size: int = 1, check_files: bool = True):
-    """Every knob and cross-field rule, then (check_files) the model, data, reward and out_dir, before anything
-    expensive. Raises ConfigError naming the knob or file and the fix."""
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
-
-    for k, (ok, allowed) in KNOB_RANGES.items():
-        v = getattr(cfg, k)
-        need(ok(v) and (not isinstance(v, float) or not math.isnan(v)), f"{k}={v!r} must be {allowed}")
-    for k, allowed in CHOICES.items():
-        need(getattr(cfg, k) in allowed, f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(allowed)}")
-    ckpt = cfg.gradient_checkpointing
-    need(ckpt in (True, False, "auto") or type(ckpt) is int and ckpt >= 0,
-         f"gradient_checkpointing={ckpt!r}; choose True, False, 'auto' or an int N >= 0 (the first N blocks)")
-    for lg in cfg.logger:
-        need(lg in LOGGERS, f"logger {lg!r}; choose from {', '.join(LOGGERS)}")
-        need(LOGGERS[lg] is None or importlib.util.find_spec(LOGGERS[lg]) is not None,
-             f"logger {lg!r} is listed but {LOGGERS[lg]} is not installed; pip install {LOGGERS[lg]} or remove it")
-    B, M, G = cfg.train_batch_size, cfg.ppo_mini_batch_size, cfg.n
-    need(B % M == 0, f"ppo_mini_batch_size={M} must divide train_batch_size={B} (one optimizer step per mini-batch)")
-    need(cfg.gen_batch_size >= B or cfg.filter_groups,
-         f"gen_batch_size={cfg.gen_batch_size} < train_batch_size={B} needs filter_groups=True (refill rounds)")
-    need(cfg.rollout_gpus < world_size or not cfg.rollout_gpus,
-         f"rollout_gpus={cfg.rollout_gpus} must be < the world size {world_size} (torchrun's ranks): the first ranks "
-         "train, the last rollout_gpus generate; launch more ranks, or rollout_gpus=0 (colocated)")
-    need(not cfg.rollout_gpus or (cfg.rollout_engine != "vllm" and cfg.gen_tp == 1), "rollout_gpus > 0 generates "
-         "with the built-in engine, one per generator rank (vLLM there is not supported yet): set "
-         "rollout_engine='torch' or 'auto' and gen_tp=1, or rollout_gpus=0")
-    world_size -= cfg.rollout_gpus  # the trainer ranks: the mesh rules apply to them
-    try:
-        dp = parallel.check_mesh(world_size, cfg.tp_size, cfg.sp_size, ep_size=cfg.ep_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    need((M * G) % dp == 0, f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over "
-                            f"{dp} data-parallel ranks (world_size / (tp_size * sp_size))")
-    need(not cfg.router_replay or cfg.rollout_engine == "vllm", "router_replay=True replays the routing vLLM records "
-         "(enable_return_routed_experts): set rollout_engine='vllm'")
-    cpu = (parallel.device_type() if cfg.device == "auto" else cfg.device) == "cpu"
-    need(not cfg.compile or world_size > 1 or not cpu, "compile=True compiles the sharded policy (a GPU, or torchrun "
-         "ranks); one CPU process trains a plain module that the built-in engine decodes with: set compile=False")
-    per_rank = M * G // dp
-    need(cfg.use_dynamic_bsz or per_rank % cfg.ppo_micro_batch_size_per_gpu == 0,
-         f"ppo_micro_batch_size_per_gpu={cfg.ppo_micro_batch_size_per_gpu} must divide the per-rank mini-batch "
-         f"ppo_mini_batch_size*n/dp={per_rank}")
-    max_seq = cfg.max_prompt_length + cfg.max_response_length
-    if cfg.use_dynamic_bsz:
-        for k in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
-            need(getattr(cfg, k) * cfg.sp_size >= max_seq, f"{k}={getattr(cfg, k)} x sp_size={cfg.sp_size} must be "
-                 f">= max_prompt_length + max_response_length = {max_seq} (one sequence must fit an SP group's budget)")
-    need(not cfg.overlong_buffer or 0 < cfg.overlong_buffer_len <= cfg.max_response_length,
-         f"overlong_buffer_len={cfg.overlong_buffer_len} must be in (0, max_response_length={cfg.max_response_length}]")
-    need(cfg.gen_tp == 1 or cfg.rollout_engine != "torch", f"gen_tp={cfg.gen_tp} needs rollout_engine='vllm' (the "
-                                                            "built-in engine generates on one GPU per rank)")
-    need(world_size % cfg.gen_tp == 0,
-         f"gen_tp={cfg.gen_tp} must divide the world size {world_size} (world_size / gen_tp vLLM engines)")
-    need(cfg.resume in ("auto", "disable") or os.path.isdir(cfg.resume), f"resume={cfg.resume!r}: use 'auto', "
-         "'disable' or the path of a checkpoint directory (out_dir/checkpoints/step_N)")
-    if not check_files:
-        return
-    try:
-        parallel.device_type(cfg.device)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    validate_model_dir(cfg, world_size)
-    validate_out_dir(cfg)
-    n_train = data.check_parquet_schema(cfg.train_files, cfg.prompt_key)
-    need(n_train >= cfg.gen_batch_size or cfg.train_max_samples > 0,
-         f"train_files hold {n_train} prompts, fewer than gen_batch_size={cfg.gen_batch_size}")
-    if cfg.val_files:
-        data.check_parquet_schema(cfg.val_files, cfg.prompt_key)
-    try:
-        reward.load_reward_fn(cfg.reward_fn)  # a missing file or function fails here, not at step 1000
-    except reward.RewardError as e:
-        raise ConfigError(str(e)) from None
-
-
-def validate_model_dir(cfg: Config, world_size: int):
-    """config.json, weights, tokenizer and chat template of model_path, and the context the run needs."""
-    if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-        raise ConfigError(f"model_path={cfg.model_path!r} has no config.json; point it at an HF model directory")
-    try:
-        model_cfg = check_weights(cfg.model_path)  # safetensors headers: names, shapes, truncation
-        parallel.check_mesh(world_size, cfg.tp_size, cfg.sp_size, model_cfg.num_attention_heads,
-                            model_cfg.num_key_value_heads, cfg.ep_size, model_cfg.num_experts)
-        tok = Tokenizer.from_pretrained(cfg.model_path)
-        tok.check_chat_template(cfg.chat_template_kwargs)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise ConfigError(f"model_path={cfg.model_path!r}: {e}") from None
-    for knob in ("router_aux_loss", "router_replay"):
-        if getattr(cfg, knob) and not model_cfg.num_experts:
-            raise ConfigError(f"{knob}=True but {cfg.model_path} is not a mixture-of-experts model; remove it")
-    if type(n := cfg.gradient_checkpointing) is int and n > model_cfg.num_hidden_layers:
-        raise ConfigError(f"gradient_checkpointing={n} is more blocks than the model's {model_cfg.num_hidden_layers}")
-    context = cfg.max_prompt_length + cfg.max_response_length
-    if context > model_cfg.max_position_embeddings:
-        raise ConfigError(f"max_prompt_length + max_response_length = {context} exceeds the model's context, "
-                          f"max_position_embeddings={model_cfg.max_position_embeddings} in "
-                          f"{cfg.model_path}/config.json; shorten max_prompt_length or max_response_length")
-
-
-def validate_out_dir(cfg: Config):
-    """out_dir writable; resume='disable' never mixes with an earlier run's checkpoints."""
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, f".write_test.{os.getpid()}")  # one per rank: ranks race
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e}); choose another out_dir") from None
-    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    if cfg.resume == "disable" and os.path.isdir(ckpt_root) and os.listdir(ckpt_root):
-        raise ConfigError(f"resume='disable' but {ckpt_root} holds an earlier run's checkpoints, which a later "
-                          "resume='auto' would take for this run's; choose a new out_dir, resume='auto' to continue "
-                          "that run, or delete the checkpoints")
-
-
-def batch_arithmetic(cfg: Config, world_size: int, num_train_prompts: int | None = None) -> dict:
-    B, M, G = cfg.train_batch_size, cfg.ppo_mini_batch_size, cfg.n
-    a = {"world_size": world_size, "prompts_per_generation_round": cfg.gen_batch_size,
-         "trajectories_per_generation_round": cfg.gen_batch_size * G, "trajectories_per_step": B * G,
-         "optimizer_steps_per_step": optimizer_steps_per_step(cfg), "mini_batch_trajectories": M * G,
-         "per_rank_mini_batch": M * G // (world_size // (cfg.tp_size * cfg.sp_size))}
-    a["accumulation_steps"] = ("token budget" if cfg.use_dynamic_bsz else
-                               a["per_rank_mini_batch"] // cfg.ppo_micro_batch_size_per_gpu)
-    if num_train_prompts is not None:
-        a["train_prompts"] = num_train_prompts
-        a["steps_per_epoch (if no group is filtered)"] = math.ceil(num_train_prompts / B)
-    return a
-
-
-def dry_run(cfg: Config):
-    """Check the config, print the batch arithmetic and a per-GPU memory plan; touches no GPU and needs
-    neither the model nor the data to be present (a known model shape and a note stand in)."""
-    ws = int(os.environ.get("WORLD_SIZE", cfg.nnodes * cfg.n_gpus_per_node))  # torchrun's, else the config's
-    present = os.path.isfile(os.path.join(cfg.model_path, "config.json"))
-    files_present = all(os.path.isfile(f) for f in cfg.train_files + cfg.val_files)
-    validate(cfg, ws, check_files=present and files_present)
-    if present:
-        model_cfg = load_config(cfg.model_path)
-    else:
-        name = os.path.basename(os.path.normpath(os.path.expanduser(cfg.model_path))).lower()
-        if name not in KNOWN_CONFIGS:
-            raise ConfigError(f"model_path={cfg.model_path!r} has no config.json and {name!r} is not a known shape "
-                              f"({', '.join(sorted(KNOWN_CONFIGS))}); point model_path at the model directory")
-        model_cfg = ModelConfig.from_hf(KNOWN_CONFIGS[name])
-        print(f"note: {cfg.model_path} not found; planning with the published shape of {name}")
-    n_train = data.check_parquet_schema(cfg.train_files, cfg.prompt_key) if files_present else None
-    if not files_present:
-        print("note: data files not found; skipping their checks and the epoch arithmetic")
-    print(f"config OK ({model_cfg.architecture}, {model_cfg.num_params() / 1e9:.2f} B parameters, world size {ws})")
-    for k, v in batch_arithmetic(cfg, ws - cfg.rollout_gpus, n_train).items():
-        print(f"  {k}: {v}")
-    # what "auto" picks on a CUDA machine with this one's packages; "vllm" is planned even where it is not installed
-    engine = cfg.rollout_engine if cfg.rollout_engine == "vllm" else resolve_engine(cfg.rollout_engine, "cuda")
-    print(f"rollout engine planned for: {engine}")
-    plans = [plan.memory_plan(cfg, model_cfg, ws - cfg.rollout_gpus, g, engine=engine) for g in (80, 141)]
-    print(plan.format_memory_plan(plans))
-
-
-def plot(out_dir: str) -> str:
-    """PNG of reward, accuracy, response length and entropy over steps, from metrics.jsonl."""
+def plot(out_dirs: list[str], x: str = "step", png: str | None = None) -> str:
+    """A PNG of reward, accuracy, response length and entropy from the metrics.jsonl of one run or several (an
+    ablation: one line per run, labelled by the config values that differ between them). x: what the horizontal
+    axis counts (PLOT_X). -> the PNG's path (default: metrics.png in the run, or ablation_<x>.png beside the runs)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ConfigError("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from e
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise ConfigError(f"no metrics.jsonl in {out_dir!r}; pass the out_dir of a run")
-    rows = read_metrics(path)
-    panels = [("train/score_mean", "reward (score)"), (("train/acc", "val/acc"), "accuracy"),
-              ("response_length/mean", "response length"), ("actor/entropy", "entropy")]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, (keys, title) in zip(axes, panels):
-        for k in (keys if isinstance(keys, tuple) else (keys,)):
-            pts = [(r["step"], r[k]) for r in rows if k in r]
+    if x not in PLOT_X:
+        raise ConfigError(f"--x={x!r}; choose one of {', '.join(PLOT_X)}")
+    runs = []
+    for out_dir in out_dirs:
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            raise ConfigError(f"no metrics.jsonl in {out_dir!r}; pass the out_dir of a run")
+        runs.append((out_dir, read_metrics(path)))
+    labels = run_labels(out_dirs)
+    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), 3.5))
+    for ax, (key, title) in zip(axes, PLOT_PANELS):
+        for (out_dir, rows), label in zip(runs, labels):
+            xs = plot_x(rows, x, out_dir)
+            pts = [(xs[r["step"]], r[key]) for r in rows if key in r and r["step"] in xs]
             if pts:
-                ax.plot(*zip(*pts), marker="o" if k.startswith("val") else None, label=k)
+                ax.plot(*zip(*pts), marker="o" if key.startswith("val") else None, markersize=3, label=label)
         ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
+        ax.set_xlabel(PLOT_X[x])
+        if len(runs) > 1 or ax is axes[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    png = os.path.join(out_dir, "metrics.png")
+    if png is None and len(runs) == 1:
+        png = os.path.join(out_dirs[0], "metrics.png")
+    elif png is None:
+        png = os.path.join(os.path.commonpath([os.path.abspath(d) for d in out_dirs]), f"ablation_{x}.png")
     fig.savefig(png, dpi=100)
     return png
+
+
+def run_labels(out_dirs: list[str]) -> list[str]:
+    """A legend label per run: the config values (out_dir/config.json) that differ between the runs, else the
+    run directory's name."""
+    configs = []
+    for out_dir in out_dirs:
+        path = os.path.join(out_dir, "config.json")
+        configs.append(json.load(open(path)) if os.path.isfile(path) else {})
+    ignored = {"out_dir", "experiment_name"}
+    keys = sorted({k for c in configs for k in c} - ignored)
+    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+    labels = []
+    for out_dir, c in zip(out_dirs, configs):
+        if differ:
+            labels.append(", ".join(f"{k}={c.get(k)}" for k in differ))
+        else:
+            labels.append(os.path.basename(os.path.normpath(out_dir)))
+    return labels
+
+
+def plot_x(rows: list[dict], x: str, out_dir: str) -> dict:
+    """step -> the horizontal coordinate: the step, the responses generated up to it (gen batches x gen_batch_size x
+    n, from out_dir/config.json), or the wall-clock seconds of all steps up to it."""
+    if x == "step":
+        return {r["step"]: r["step"] for r in rows}
+    per_step = {}
+    if x == "samples":
+        cfg = json.load(open(os.path.join(out_dir, "config.json")))
+        for r in rows:
+            if "sampling/num_gen_batches" in r:
+                per_step[r["step"]] = r["sampling/num_gen_batches"] * cfg["gen_batch_size"] * cfg["n"]
+    else:
+        for r in rows:
+            if "timing_s/step" in r:
+                per_step[r["step"]] = r["timing_s/step"]
+    coordinate, total = {0: 0.0}, 0.0
+    for step in sorted(per_step):
+        total += per_step[step]
+        coordinate[step] = total
+    return coordinate
 
 
 # exit codes: 0 done (or stopped by a signal after a checkpoint), 2 bad input (config, data, model, checkpoint),
 # 3 the run could not continue, 128 + N a second signal N
 EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
 BAD_INPUT = (ConfigError, data.DataError, reward.RewardError, FileNotFoundError)
-RUN_FAILED = (RunError, parallel.CheckpointError)
+RUN_FAILED = (RunError, CheckpointError)
 
 
 def main(argv: list[str]) -> int:
     try:
-        if argv[:1] == ["--plot"]:
-            print(f"wrote {plot(argv[1] if len(argv) > 1 else Config().out_dir)}")
+        if argv[:1] == ["--plot"]:  # --plot RUN_DIR [RUN_DIR ...] [--x=step|samples|time] [--png=PATH]
+            options = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
+            dirs = [a for a in argv[1:] if not a.startswith("--")] or [Config().out_dir]
+            print(f"wrote {plot(dirs, x=options.get('x', 'step'), png=options.get('png'))}")
             return 0
-        cfg, flags = parse_args([a for a in argv if a != "--"])  # torchrun: script -- --key=value
+        cfg, flags = parse_args(Config, [a for a in argv if a != "--"])  # torchrun: script -- --key=value
         if flags["dry_run"]:
-            dry_run(cfg)
+            plan.dry_run(cfg)
             return 0
         train(cfg)
     except BAD_INPUT + RUN_FAILED as e:
@@ -1600,7 +1391,7 @@ def main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
         try:
-            print(f"plot: {plot(cfg.out_dir)}")
+            print(f"plot: {plot([cfg.out_dir])}")
         except ConfigError as e:
             print(f"(no plot: {e})")
     return 0

@@ -297,12 +297,13 @@ def nanodapo_side(name, engine):
     rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=CHILD_ENV, timeout=side_timeout())
     side = {"impl": "nanodapo", "engine": engine, "rc": rc, "process_wall_s": round(wall, 1), "config": cfg}
     rows = [json.loads(line) for line in open(metrics)] if os.path.isfile(metrics) else []
-    rows = [r for r in rows if "timing/step" in r]
+    rows = [r for r in rows if "timing_s/step" in r]
     if rc != 0 or len(rows) < args.steps:
         side["error"] = f"rc {rc}, {len(rows)} steps logged; log tail:\n" + "\n".join(tail[-25:])
         RES["errors"][name] = side["error"]
-    phases = ("step", "gen", "reward", "old_logp", "ref", "update", "sync", "wake_sleep", "other")
-    side["per_step"] = {ph: [round(r.get(f"timing/{ph}", 0.0), 4) for r in rows] for ph in phases}
+    phases = {"step": "step", "gen": "gen", "reward": "reward", "old_logp": "old_log_prob", "ref": "ref",
+              "update": "update_actor", "sync": "sync", "wake_sleep": "wake_sleep", "other": "other"}  # -> metric
+    side["per_step"] = {ph: [round(r.get(f"timing_s/{key}", 0.0), 4) for r in rows] for ph, key in phases.items()}
     side["median"] = {ph: median_after_first(v) for ph, v in side["per_step"].items()}
     side["response_length_mean"] = [r.get("response_length/mean") for r in rows]
     side["clip_ratio"] = [r.get("response_length/clip_ratio") for r in rows]

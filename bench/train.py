@@ -411,7 +411,7 @@ def update_row(name, precision, m, ctx=contextlib.nullcontext(), fused=None, n_c
 
     def update_step():
         with ctx:
-            last.update(T.update_policy(m, opt, sched, traj, tcfg, DIMS, on_policy=True))  # fresh data
+            last.update(T.update_policy(m, opt, sched, traj, tcfg, DIMS))  # no old_logp: fresh data
         return last.get("actor/pg_loss", float("nan"))
     t0 = time.perf_counter()
     r = time_steps(name, update_step, list(m.parameters()),
