@@ -1,7 +1,8 @@
 """
 Prompts in, index batches out: the tokenizer with its chat template, parquet datasets in verl's schema,
 chat templating, truncation, overlong-prompt filtering, a resumable sampler, and token-budget micro-batching.
-No torch here: preparing and inspecting data (tools/prepare_data.py) needs only pyarrow, tokenizers and jinja2.
+No torch here: preparing and inspecting data (tools/prepare_data.py) needs only pyarrow, tokenizers and
+jinja2.
 
 A row (the schema verl's data preprocessors write, so their parquet files load unchanged):
     {data_source: str, prompt: [{role, content}, ...] or str, ability: str,
@@ -27,7 +28,8 @@ SCHEMA_HINT = SCHEMA + "; convert with `python tools/prepare_data.py jsonl2parqu
 
 
 class DataError(ValueError):
-    """A problem with the data, the tokenizer files or a data knob; the message names the place and the fix."""
+    """A problem with the data, the tokenizer files or a data knob; the message names the place and the
+    fix."""
 
 
 def required_columns(prompt_key):
@@ -43,7 +45,8 @@ def check_parquet_schema(files, prompt_key="prompt"):
     total = 0
     for f in files:
         if not os.path.isfile(f):
-            raise DataError(f"data file not found: {f}; check the path (relative paths are relative to {os.getcwd()})")
+            raise DataError(f"data file not found: {f}; check the path (relative paths are relative to "
+                            f"{os.getcwd()})")
         try:
             pf = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
@@ -75,8 +78,11 @@ def prompt_messages(value, where, prompt_key):
 
 
 def _ground_truth(reward_model, where, float32=False):
+    """A row's reward_model.ground_truth as the verifiers take it: a string or a non-empty list of strings; a
+    number becomes its text."""
     gt = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    if isinstance(gt, float) and math.isfinite(gt):  # numeric answers (NaN: a missing one); verifiers compare strings
+    # numeric answers become text, since the verifiers compare strings (NaN: a missing answer, an error below)
+    if isinstance(gt, float) and math.isfinite(gt):
         if float32:  # the shortest text that reads back as this float32 ("0.1", not "0.10000000149011612")
             gt = float(str(np.float32(gt)))
         gt = str(int(gt)) if gt.is_integer() else repr(gt)  # 85.0 -> "85", 0.5 -> "0.5"
@@ -97,8 +103,9 @@ def parse_row(row, where, prompt_key="prompt", float32_ground_truth=False):
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
         raise DataError(f"{where}, column 'extra_info': expected a dict, got {extra!r:.200}")
-    return {"data_source": ds, "ground_truth": _ground_truth(row.get("reward_model"), where, float32_ground_truth),
-            "extra_info": extra or {}, "messages": prompt_messages(row.get(prompt_key), where, prompt_key)}
+    ground_truth = _ground_truth(row.get("reward_model"), where, float32_ground_truth)
+    messages = prompt_messages(row.get(prompt_key), where, prompt_key)
+    return {"data_source": ds, "ground_truth": ground_truth, "extra_info": extra or {}, "messages": messages}
 
 
 def truncate(ids, max_len, mode):
@@ -111,8 +118,8 @@ def truncate(ids, max_len, mode):
 
 def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, truncation="error",
                  filter_overlong_prompts=False, max_samples=-1, chat_template_kwargs: dict | None = None):
-    """Read parquet files in verl's schema (concatenated in order) and tokenize with the chat template. Each item:
-    {prompt_ids, data_source, ground_truth, extra_info, messages}. Overlong prompts are dropped first
+    """Read parquet files in verl's schema (concatenated in order) and tokenize with the chat template. Each
+    item: {prompt_ids, data_source, ground_truth, extra_info, messages}. Overlong prompts are dropped first
     (filter_overlong_prompts), then the first max_samples kept, then truncated.
     chat_template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} (Qwen3)."""
     if truncation not in TRUNCATION_MODES:
@@ -136,12 +143,14 @@ def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, tr
             item = parse_row(row, f"{f} row {r}", prompt_key, float32_ground_truth=float32_gt)
             ids = list(tokenizer.apply_chat_template(
                 item["messages"], add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})))
-            if len(ids) > max_prompt_length and filter_overlong_prompts:
-                continue
-            if len(ids) > max_prompt_length and truncation == "error":
-                raise DataError(f"{f} row {r}: prompt is {len(ids)} tokens after the chat template, longer than "
-                                f"max_prompt_length={max_prompt_length}; set filter_overlong_prompts=True to drop "
-                                "such rows, or truncation=left/right/middle to cut them (or raise max_prompt_length)")
+            if len(ids) > max_prompt_length:
+                if filter_overlong_prompts:
+                    continue
+                if truncation == "error":
+                    raise DataError(f"{f} row {r}: prompt is {len(ids)} tokens after the chat template, "
+                                    f"longer than max_prompt_length={max_prompt_length}; set "
+                                    "filter_overlong_prompts=True to drop such rows, or "
+                                    "truncation=left/right/middle to cut them (or raise max_prompt_length)")
             item["prompt_ids"] = truncate(ids, max_prompt_length, truncation)
             items.append(item)
     if filter_overlong_prompts:
@@ -190,12 +199,14 @@ class PromptSampler:
             take = min(k - len(out), self.num_prompts - self.position)
             out += self._perm[self.position:self.position + take].tolist()
             self.position += take
-            if self.position == self.num_prompts:  # roll over now: a state saved here resumes at the next epoch
+            if self.position == self.num_prompts:
+                # roll over now: a state saved here resumes at the next epoch
                 self._start(self.epoch + 1, 0)
         return out
 
     def state_dict(self):
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_prompts": self.num_prompts}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_prompts": self.num_prompts}
 
     def load_state_dict(self, d):
         if d["num_prompts"] != self.num_prompts:
@@ -214,15 +225,16 @@ def balanced_micro_batches(lengths, max_token_len, min_num_micro_batches=1):
     out-of-memory shows up on the first one."""
     for i, n in enumerate(lengths):
         if n > max_token_len:
-            raise DataError(f"sequence {i} has {n} tokens but the micro-batch token budget is {max_token_len}; "
-                            "set ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu >= max_prompt_length + "
-                            "max_response_length")
+            raise DataError(f"sequence {i} has {n} tokens but the micro-batch token budget is "
+                            f"{max_token_len}; set ppo_max_token_len_per_gpu / "
+                            "log_prob_max_token_len_per_gpu >= max_prompt_length + max_response_length")
     if min_num_micro_batches > len(lengths):
-        raise DataError(f"cannot make {min_num_micro_batches} non-empty micro-batches from {len(lengths)} sequences")
+        raise DataError(f"cannot make {min_num_micro_batches} non-empty micro-batches from {len(lengths)} "
+                        "sequences")
     if not lengths:
         return []
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    k = max(math.ceil(sum(lengths) / max_token_len), min_num_micro_batches, 1)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first, ties by index
+    k = max(math.ceil(sum(lengths) / max_token_len), min_num_micro_batches, 1)  # the fewest that could fit
     while True:
         bins, loads = [[] for _ in range(k)], [0] * k
         for i in order:  # lightest bin, ties to the emptier then the first one
@@ -231,7 +243,7 @@ def balanced_micro_batches(lengths, max_token_len, min_num_micro_batches=1):
                 break
             bins[b].append(i)
             loads[b] += lengths[i]
-        else:
+        else:  # every sequence fit: indices ascending in each bin, bins heaviest first (ties by first index)
             return sorted((sorted(b) for b in bins), key=lambda b: (-sum(lengths[i] for i in b), b[0]))
         k += 1  # terminates: with one sequence per micro-batch everything fits
 
@@ -247,16 +259,20 @@ def _read_json(path):
         with open(path) as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path} is not valid JSON ({e}); copy the file again from the model's source") from None
+        raise DataError(f"{path} is not valid JSON ({e}); copy the file again from the model's "
+                        "source") from None
 
 
 def _eos_token_ids(tok, eos_token, generation_config, config):
-    """Generation stops at the tokenizer's eos_token plus generation_config.json's eos_token_id (an id or a list);
-    without the latter, config.json's (as transformers' GenerationConfig.from_model_config). Unique, in order."""
+    """Generation stops at the tokenizer's eos_token plus generation_config.json's eos_token_id (an id or a
+    list); without the latter, config.json's (as transformers' GenerationConfig.from_model_config). Unique, in
+    order."""
     extra = generation_config.get("eos_token_id")
-    extra = config.get("eos_token_id") if extra is None else extra
-    extra = extra if isinstance(extra, list) else [extra]
-    eos = tok.token_to_id(eos_token) if eos_token is not None else None
+    if extra is None:
+        extra = config.get("eos_token_id")
+    if not isinstance(extra, list):
+        extra = [extra]
+    eos = tok.token_to_id(eos_token) if eos_token is not None else None  # None: not in the vocabulary
     return list(dict.fromkeys(i for i in [eos, *extra] if i is not None))
 
 
@@ -279,11 +295,12 @@ class Tokenizer:
         try:
             tok = tokenizers.Tokenizer.from_file(tj)
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
-            raise DataError(f"{tj} cannot be loaded by tokenizers {tokenizers.__version__} ({e}); the file is "
-                            "corrupt or truncated (copy it again from the model's source), or was written by a "
-                            "newer tokenizers (pip install -U tokenizers)") from None
+            raise DataError(f"{tj} cannot be loaded by tokenizers {tokenizers.__version__} ({e}); the file "
+                            "is corrupt or truncated (copy it again from the model's source), or was written "
+                            "by a newer tokenizers (pip install -U tokenizers)") from None
         tc_path = os.path.join(path, "tokenizer_config.json")
         tc = _read_json(tc_path)
+        # the chat template: tokenizer_config.json's, unless the directory has a chat_template.jinja
         template, template_file = tc.get("chat_template"), f"{tc_path} 'chat_template'"
         if isinstance(template, list):  # named templates: take "default"
             template = {t["name"]: t["template"] for t in template}.get("default")
@@ -292,15 +309,18 @@ class Tokenizer:
             with open(jinja_path) as f:
                 template, template_file = f.read(), jinja_path
         special = {k: tc.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        special = {k: t.get("content") if isinstance(t, dict) else t for k, t in special.items()}  # AddedToken dicts
-        eos = _eos_token_ids(tok, special["eos_token"], _read_json(os.path.join(path, "generation_config.json")),
+        # a special token given as an AddedToken dict -> its content string
+        special = {k: t.get("content") if isinstance(t, dict) else t for k, t in special.items()}
+        generation_config = _read_json(os.path.join(path, "generation_config.json"))
+        eos = _eos_token_ids(tok, special["eos_token"], generation_config,
                              _read_json(os.path.join(path, "config.json")))
         if not eos:
             raise DataError(
-                f"no stop token in {path!r}: tokenizer_config.json's eos_token {special['eos_token']!r} is missing or "
-                "not in the vocabulary, and neither generation_config.json nor config.json has an eos_token_id, so "
-                "every response would run to max_response_length; set eos_token in tokenizer_config.json to the "
-                "end-of-turn token (e.g. '<|im_end|>') or eos_token_id in generation_config.json")
+                f"no stop token in {path!r}: tokenizer_config.json's eos_token {special['eos_token']!r} is "
+                "missing or not in the vocabulary, and neither generation_config.json nor config.json has an "
+                "eos_token_id, so every response would run to max_response_length; set eos_token in "
+                "tokenizer_config.json to the end-of-turn token (e.g. '<|im_end|>') or eos_token_id in "
+                "generation_config.json")
         return cls(tok, template, special, eos, template_file)
 
     @property
@@ -313,7 +333,8 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False,
+                            **kwargs):
         if self.chat_template is None:
             raise DataError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
                             "chat_template.jinja); add one, or give prompts that are already templated")
@@ -323,8 +344,9 @@ class Tokenizer:
             except TemplateSyntaxError as e:
                 raise DataError(f"{self.chat_template_file} has a Jinja syntax error at template line "
                                 f"{e.lineno}: {e.message}; fix the template there") from None
-        ctx = {k: v for k, v in self.special.items() if v is not None}
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **ctx, **kwargs)
+        ctx = {k: v for k, v in self.special.items() if v is not None}  # bos_token, eos_token, ...
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **ctx,
+                                     **kwargs)
         return self.encode(text) if tokenize else text
 
     def check_chat_template(self, chat_template_kwargs: dict | None = None):
@@ -335,13 +357,15 @@ class Tokenizer:
                                      **(chat_template_kwargs or {}))
         except DataError:
             raise
-        except Exception as e:  # anything the template raises (TemplateError, TypeError, ...) is its own fault
-            # jinja rewrites tracebacks to point into '<template>'; the innermost such frame is the failing line
+        except Exception as e:
+            # anything the template raises (TemplateError, TypeError, ...) is its own fault. jinja rewrites
+            # tracebacks to point into '<template>'; the innermost such frame is the failing line
             lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
+            line = lines[-1] if lines else None
             raise DataError(f"{self.chat_template_file} fails on a one-message conversation with "
                             f"add_generation_prompt=True and chat_template_kwargs={chat_template_kwargs}: "
-                            f"{type(e).__name__} at template line {lines[-1] if lines else None}: {e}; fix the "
-                            "template there, or set chat_template_kwargs to the variables it expects") from None
+                            f"{type(e).__name__} at template line {line}: {e}; fix the template there, or "
+                            "set chat_template_kwargs to the variables it expects") from None
 
 
 def _compile_template(source: str):
@@ -350,9 +374,13 @@ def _compile_template(source: str):
         raise TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env.from_string(source)

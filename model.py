@@ -1,10 +1,12 @@
 """
-The policy model: Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama-3 decoders in plain torch, HF safetensors in and
-out, a packed ("remove padding") forward, and chunked token log-probs + entropy (the tokenizer is in data.py).
+The policy model: Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama-3 decoders in plain torch, HF safetensors in
+and out, a packed ("remove padding") forward, and chunked token log-probs + entropy (the tokenizer is in
+data.py).
 
-Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), except that a MoE layer holds
-its experts stacked (mlp.experts.gate_up_proj [E, 2 * I, H], mlp.experts.down_proj [E, H, I]) where checkpoints
-and vLLM hold one tensor per expert: hf_tensors maps a parameter to its HF tensors (load, save, weight push).
+Parameter names equal the HF names (model.layers.N.self_attn.q_proj.weight, ...), except that a MoE layer
+holds its experts stacked (mlp.experts.gate_up_proj [E, 2 * I, H], mlp.experts.down_proj [E, H, I]) where
+checkpoints and vLLM hold one tensor per expert: hf_tensors maps a parameter to its HF tensors (load, save,
+weight push).
 """
 import functools
 import inspect
@@ -23,10 +25,14 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-try:  # torch's flash varlen attention (CUDA): torch <= 2.10 takes is_causal=True, later releases window_size=(-1, 0)
+# torch's flash varlen attention (CUDA), if this torch has it. How to ask it for causal attention depends on
+# the release: torch <= 2.10 takes is_causal=True, later releases window_size=(-1, 0).
+try:
     from torch.nn.attention.varlen import varlen_attn
-    _VARLEN_CAUSAL = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
-                      else {"window_size": (-1, 0)})
+    if "is_causal" in inspect.signature(varlen_attn).parameters:
+        _VARLEN_CAUSAL = {"is_causal": True}
+    else:
+        _VARLEN_CAUSAL = {"window_size": (-1, 0)}
 except ImportError:
     varlen_attn = None
 
@@ -60,9 +66,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # top-k experts per token
     moe_intermediate_size: int = 0  # width of each expert's SwiGLU
     norm_topk_prob: bool = False  # renormalize the top-k router probabilities to sum to 1
-    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % decoder_sparse_step == 0 ...
-    mlp_only_layers: list = field(default_factory=list)  # ... and i is not listed here (those use intermediate_size)
-    router_aux_loss_coef: float = 0.0  # the checkpoint's load-balancing loss weight (transformers' default 0.001)
+    # layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (the layers
+    # listed there have a dense MLP of intermediate_size)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    # the checkpoint's load-balancing loss weight (transformers' default 0.001)
+    router_aux_loss_coef: float = 0.0
     hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json, for saving
 
     def __post_init__(self):
@@ -74,22 +83,26 @@ class ModelConfig:
         if self.attention_bias is None:
             self.attention_bias = self.architecture == "Qwen2ForCausalLM"
         self.qk_norm = self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-        if (self.architecture == "Qwen3MoeForCausalLM") != (self.num_experts > 0) or self.num_experts and not (
-                1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
-                and self.decoder_sparse_step > 0):
-            raise ValueError(f"{self.architecture} with num_experts={self.num_experts}, num_experts_per_tok="
-                             f"{self.num_experts_per_tok}, moe_intermediate_size={self.moe_intermediate_size}, "
-                             f"decoder_sparse_step={self.decoder_sparse_step}: Qwen3MoeForCausalLM, and only it, "
-                             "needs num_experts >= num_experts_per_tok >= 1, moe_intermediate_size and "
+        # experts: Qwen3-MoE always has them, and no other architecture does
+        moe_architecture = self.architecture == "Qwen3MoeForCausalLM"
+        moe_fields_valid = (1 <= self.num_experts_per_tok <= self.num_experts
+                            and self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0)
+        if moe_architecture != (self.num_experts > 0) or (self.num_experts and not moe_fields_valid):
+            raise ValueError(f"{self.architecture} with num_experts={self.num_experts}, "
+                             f"num_experts_per_tok={self.num_experts_per_tok}, "
+                             f"moe_intermediate_size={self.moe_intermediate_size}, "
+                             f"decoder_sparse_step={self.decoder_sparse_step}: Qwen3MoeForCausalLM, and only "
+                             "it, needs num_experts >= num_experts_per_tok >= 1, moe_intermediate_size and "
                              "decoder_sparse_step >= 1; fix config.json")
         if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} does not divide num_attention_heads="
-                             f"{self.num_attention_heads}: grouped-query attention shares each kv head among an "
-                             "equal number of query heads; fix config.json")
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                             f"num_attention_heads={self.num_attention_heads}: grouped-query attention "
+                             "shares each kv head among an equal number of query heads; fix config.json")
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
-        """Read an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+        """Read an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
+        `rope_parameters`)."""
         arch = (d.get("architectures") or [None])[0]
         if arch is None:  # a config saved without a model: fall back on model_type
             arch = {t: a for a, t in MODEL_TYPES.items()}.get(d.get("model_type"), d.get("model_type"))
@@ -97,13 +110,20 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch!r} in config.json; nanodapo supports "
                              f"{', '.join(MODEL_TYPES)}")
         if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias", False):
-            raise ValueError(f"unsupported MLP (hidden_act={d.get('hidden_act')}, mlp_bias={d.get('mlp_bias')}); "
-                             "nanodapo implements SwiGLU with silu and no MLP bias")
+            raise ValueError(f"unsupported MLP (hidden_act={d.get('hidden_act')}, "
+                             f"mlp_bias={d.get('mlp_bias')}); nanodapo implements SwiGLU with silu and no "
+                             "MLP bias")
         if d.get("use_sliding_window", False):
-            raise ValueError("use_sliding_window=true is not supported; nanodapo uses full attention in every layer")
+            raise ValueError("use_sliding_window=true is not supported; nanodapo uses full attention in "
+                             "every layer")
+        # transformers 5 keeps rope_theta, and the scaling fields if any, in rope_parameters
         rope = dict(d.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = d.get("rope_scaling")
+        if not scaling:  # no transformers 4 rope_scaling: rope_parameters says whether there is scaling
+            scaling = None
+            if rope.get("rope_type", "default") != "default":
+                scaling = rope
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind == "default":
@@ -112,8 +132,13 @@ class ModelConfig:
                 raise ValueError(f"unsupported rope scaling {kind!r}; nanodapo supports none or 'llama3'")
         moe = {}
         if arch == "Qwen3MoeForCausalLM":  # defaults: transformers' Qwen3MoeConfig
-            moe = dict(num_experts=d["num_local_experts"] if "num_local_experts" in d else d["num_experts"],
-                       num_experts_per_tok=d["num_experts_per_tok"], moe_intermediate_size=d["moe_intermediate_size"],
+            # the expert count is num_experts in the published configs, num_local_experts in transformers 5
+            if "num_local_experts" in d:
+                num_experts = d["num_local_experts"]
+            else:
+                num_experts = d["num_experts"]
+            moe = dict(num_experts=num_experts, num_experts_per_tok=d["num_experts_per_tok"],
+                       moe_intermediate_size=d["moe_intermediate_size"],
                        norm_topk_prob=d.get("norm_topk_prob", False),
                        decoder_sparse_step=d.get("decoder_sparse_step", 1),
                        mlp_only_layers=list(d.get("mlp_only_layers") or []),
@@ -123,36 +148,42 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
-            rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
+            head_dim=d.get("head_dim") or 0, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta, rope_scaling=scaling,
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or d.get("attention_bias", False),
-            max_position_embeddings=d.get("max_position_embeddings", 32768), bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"), hf_config=dict(d), **moe)
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), hf_config=dict(d), **moe)
 
     def to_hf(self, dtype: torch.dtype) -> dict:
         """An HF config.json dict that transformers and vLLM load."""
+        # the fields written from this config, named as in config.json
         keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
-                "max_position_embeddings", "bos_token_id", "eos_token_id"]  # fields named as in config.json
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+                "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id"]
         d = dict(self.hf_config)
         d.pop("rope_parameters", None)  # rope_theta/rope_scaling are read by transformers 4 and 5
         if self.architecture != "Qwen2ForCausalLM":
             keys.append("attention_bias")
-        if self.num_experts:  # num_experts, as the published configs (transformers 5 reads it as num_local_experts)
+        if self.num_experts:
+            # written as num_experts, as in the published configs (transformers 5 reads it as
+            # num_local_experts)
             d.pop("num_local_experts", None)
             keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                      "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"]
-        d.update(architectures=[self.architecture], model_type=MODEL_TYPES[self.architecture], hidden_act="silu",
-                 torch_dtype=str(dtype).removeprefix("torch."), **{k: getattr(self, k) for k in keys})
+        d.update(architectures=[self.architecture], model_type=MODEL_TYPES[self.architecture],
+                 hidden_act="silu", torch_dtype=str(dtype).removeprefix("torch."),
+                 **{k: getattr(self, k) for k in keys})
         return d
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer i has the sparse MLP (the rule of transformers' Qwen3MoeDecoderLayer)."""
-        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     def num_params(self, experts_per_token: int | None = None) -> int:
-        """All parameters (counted on the meta device); with experts_per_token = k, those one token uses (k experts
-        of each MoE layer)."""
+        """All parameters (counted on the meta device); with experts_per_token = k, those one token uses (k
+        experts of each MoE layer)."""
         with torch.device("meta"):
             n = sum(p.numel() for p in Transformer(self).parameters())
         unused = 0 if experts_per_token is None else self.num_experts - experts_per_token
@@ -160,50 +191,55 @@ class ModelConfig:
         return n - unused * moe_layers * 3 * self.hidden_size * self.moe_intermediate_size
 
     def num_active_params(self) -> int:
-        """Parameters used per token: num_params() for a dense model, top-k experts per MoE layer otherwise."""
+        """Parameters used per token: num_params() for a dense model, top-k experts per MoE layer
+        otherwise."""
         return self.num_params(experts_per_token=self.num_experts_per_tok)
 
 
-# The published config.json fields that ModelConfig.from_hf reads, keyed by the lower-cased model directory name:
-# --dry_run plans the recipes in configs/ with them when the model is not present; bench/ builds random models of them.
+# The published config.json fields that ModelConfig.from_hf reads, keyed by the lower-cased model directory
+# name: --dry_run plans the recipes in configs/ with them when the model is not present; bench/ builds random
+# models of them.
 KNOWN_CONFIGS = {
-    "qwen2.5-32b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120,
-                        intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
-                        rope_theta=1000000.0, rms_norm_eps=1e-05, tie_word_embeddings=False,
-                        max_position_embeddings=131072),
-    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
-                       rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=131072),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     rope_theta=1000000, rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=40960),
-    "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
-                         intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=True,
-                         max_position_embeddings=32768),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
-                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False,
-                          max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
-                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                          router_aux_loss_coef=0.001),
-    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=4096,
-                            intermediate_size=12288, num_hidden_layers=94, num_attention_heads=64,
-                            num_key_value_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-06,
-                            tie_word_embeddings=False, max_position_embeddings=40960, num_experts=128,
-                            num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
-    "qwen2-0.5b-instruct": dict(architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
-                                intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                                num_key_value_heads=2, rope_theta=1000000.0, rms_norm_eps=1e-06,
-                                tie_word_embeddings=True, max_position_embeddings=32768),
+    "qwen2.5-32b": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, rope_theta=1000000.0,
+        rms_norm_eps=1e-05, tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
+        rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000,
+        rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen2.5-1.5b": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, rope_theta=1000000.0,
+        rms_norm_eps=1e-06, tie_word_embeddings=True, max_position_embeddings=32768),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
+    "qwen3-235b-a22b": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False, max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001),
+    "qwen2-0.5b-instruct": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0,
+        rms_norm_eps=1e-06, tie_word_embeddings=True, max_position_embeddings=32768),
 }
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies in fp32, with Llama-3 frequency-dependent scaling when configured."""
     # device="cpu": the model may be built under torch.device("meta"), and these must be real numbers
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cpu").double() / cfg.head_dim)
+    exponents = torch.arange(0, cfg.head_dim, 2, device="cpu").double() / cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** exponents
     s = cfg.rope_scaling
     if s is not None:  # llama3: keep high frequencies, divide low ones by factor, interpolate between
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -253,9 +289,9 @@ def _varlen_available(device_type: str) -> bool:
 
 
 def packed_kernel(device_type: str, dtype: torch.dtype) -> str:
-    """The kernel for packed documents: "npu" (torch_npu's fused attention, which takes fp16, bf16 and fp32),
-    "varlen" (torch's flash varlen on CUDA, half precision only), else "gather" (SDPA on the documents gathered
-    into a padded batch: any device, any dtype)."""
+    """The kernel for packed documents: "npu" (torch_npu's fused attention, which takes fp16, bf16 and
+    fp32), "varlen" (torch's flash varlen on CUDA, half precision only), else "gather" (SDPA on the documents
+    gathered into a padded batch: any device, any dtype)."""
     if device_type == "npu":
         return "npu"
     if dtype in (torch.float16, torch.bfloat16) and _varlen_available(device_type):
@@ -281,46 +317,51 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
         cu = batch.cu_seqlens.to(torch.int32)
-        return varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL).unsqueeze(0)
+        out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL)
+        return out.unsqueeze(0)
     if kernel == "npu":  # TND layout, GQA native, lengths as cumulative ends ([2, 4, 6] for 2, 2, 2)
         import torch_npu
         ends = batch.cu_seqlens_list[1:]
-        out = torch_npu.npu_fusion_attention(q[0], k[0], v[0], H, "TND", atten_mask=_npu_causal_mask(q.device),
-                                             scale=D ** -0.5, sparse_mode=3, actual_seq_qlen=ends,
-                                             actual_seq_kvlen=ends)[0]
+        out = torch_npu.npu_fusion_attention(
+            q[0], k[0], v[0], H, "TND", atten_mask=_npu_causal_mask(q.device), scale=D ** -0.5, sparse_mode=3,
+            actual_seq_qlen=ends, actual_seq_kvlen=ends)[0]
         return out.unsqueeze(0)
-    # no varlen kernel (CPU, fp32): SDPA on the documents gathered into a right-padded [docs, max_len] batch (causal,
-    # so no real token sees the padding); index maps without boolean masks, so a compiled block has a static graph
+    # no varlen kernel (CPU, fp32): SDPA on the documents gathered into a right-padded [docs, max_len] batch
+    # (causal, so no real token sees the padding); index maps without boolean masks, so a compiled block has a
+    # static graph
     cu, L = batch.cu_seqlens.long().to(q.device), batch.max_seqlen
     tok = torch.arange(T, device=q.device)
     doc = torch.bucketize(tok, cu[1:], right=True)  # each token's document
     idx = (cu[:-1, None] + torch.arange(L, device=q.device)).clamp(max=T - 1)  # token in each [docs, L] slot
     back = doc * L + tok - cu[doc]  # slot of each token
-    out = F.scaled_dot_product_attention(*(t[0][idx].transpose(1, 2) for t in (q, k, v)), is_causal=True,
-                                         enable_gqa=H != k.shape[2])
+    q_docs, k_docs, v_docs = (t[0][idx].transpose(1, 2) for t in (q, k, v))  # [docs, heads, L, D]
+    out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=H != k.shape[2])
     return out.transpose(1, 2).flatten(0, 1)[back].unsqueeze(0)
 
 
 def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
-    """q [B, 1, H, D], one new token per row, against that row's cache positions <= cache_pos. The cache comes
-    whole and is sliced here (rows :B, positions :cache_len): a compiled block then sees no views of it."""
+    """q [B, 1, H, D], one new token per row, against that row's cache positions <= cache_pos. The cache
+    comes whole and is sliced here (rows :B, positions :cache_len): a compiled block then sees no views of
+    it."""
     B, _, H, D = q.shape
     L = batch.cache_len
     # GQA without copying the cache: the heads sharing a kv head become that head's query rows
-    out = F.scaled_dot_product_attention(q.view(B, k_cache.shape[1], -1, D), k_cache[:B, :, :L], v_cache[:B, :, :L],
+    q = q.view(B, k_cache.shape[1], -1, D)
+    out = F.scaled_dot_product_attention(q, k_cache[:B, :, :L], v_cache[:B, :, :L],
                                          attn_mask=batch.decode_mask)
     return out.reshape(B, 1, H, D)
 
 
 # -----------------------------------------------------------------------------
-# sequence parallelism (DeepSpeed-Ulysses, as verl's): each rank of an SP group embeds and runs norms, MLP and
-# projections on a contiguous 1/sp of the packed tokens; around attention, all-to-alls trade that for all tokens
-# and 1/sp of the heads, so the packed kernels above run unchanged. The query heads of a TP rank must divide by sp.
+# sequence parallelism (DeepSpeed-Ulysses, as verl's): each rank of an SP group embeds and runs norms, MLP
+# and projections on a contiguous 1/sp of the packed tokens; around attention, all-to-alls trade that for all
+# tokens and 1/sp of the heads, so the packed kernels above run unchanged. The query heads of a TP rank must
+# divide by sp.
 
 def split_for_sp(input_ids, position_ids, target_ids, routed_experts, batch: AttnBatch, group):
-    """The full packed row (the same on every SP rank) -> this rank's contiguous slice of each [1, T, ...] tensor, and
-    an AttnBatch for the whole row padded to a multiple of sp. The padding is one extra document, so it attends only
-    to itself and real tokens never see it; its outputs are dropped after the gather."""
+    """The full packed row (the same on every SP rank) -> this rank's contiguous slice of each [1, T, ...]
+    tensor, and an AttnBatch for the whole row padded to a multiple of sp. The padding is one extra document,
+    so it attends only to itself and real tokens never see it; its outputs are dropped after the gather."""
     sp, rank, T = group.size(), torch.distributed.get_rank(group), input_ids.shape[1]
     pad = -T % sp
     cu, cu_list = batch.cu_seqlens, batch.cu_seqlens_list
@@ -332,15 +373,18 @@ def split_for_sp(input_ids, position_ids, target_ids, routed_experts, batch: Att
         cu, cu_list = torch.cat([cu, cu.new_tensor([T + pad])]), cu_list + [T + pad]
     n = (T + pad) // sp
     mine = slice(rank * n, (rank + 1) * n)
-    return (input_ids[:, mine], position_ids[:, mine], target_ids[:, mine],
-            None if routed_experts is None else routed_experts[:, mine],
-            AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu_list, max_seqlen=max(batch.max_seqlen, pad), sp_group=group))
+    input_ids, position_ids, target_ids = input_ids[:, mine], position_ids[:, mine], target_ids[:, mine]
+    if routed_experts is not None:
+        routed_experts = routed_experts[:, mine]
+    whole_row = AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu_list, max_seqlen=max(batch.max_seqlen, pad),
+                          sp_group=group)
+    return input_ids, position_ids, target_ids, routed_experts, whole_row
 
 
 class _GatherTokens(torch.autograd.Function):
-    """All-gather along dim 0. Backward keeps this rank's slice and does not sum: every SP rank computes the same
-    loss from the gathered values, so each back-propagates only through its own tokens, and FSDP's gradient
-    reduction over the SP ranks adds those parts up."""
+    """All-gather along dim 0. Backward keeps this rank's slice and does not sum: every SP rank computes the
+    same loss from the gathered values, so each back-propagates only through its own tokens, and FSDP's
+    gradient reduction over the SP ranks adds those parts up."""
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -354,18 +398,22 @@ class _GatherTokens(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
-    """q [1, n, H, D], k/v [1, n, KVH, D] on this rank's n tokens -> [1, n, H, D], attending over the whole row."""
+    """q [1, n, H, D], k/v [1, n, KVH, D] on this rank's n tokens -> [1, n, H, D], attending over the whole
+    row."""
     group = batch.sp_group
     sp, H = group.size(), q.shape[2]
-    if k.shape[2] % sp:  # kv heads (of this TP rank) do not split over sp: repeat each to lcm(kv heads, sp) heads,
-        # so query head i still reads the copies of kv head i // (H / kv heads)
+    if k.shape[2] % sp:
+        # the kv heads (of this TP rank) do not split over sp: repeat each to lcm(kv heads, sp) heads, so that
+        # query head i still reads the copies of kv head i // (H / kv heads)
         k, v = (t.repeat_interleave(math.lcm(t.shape[2], sp) // t.shape[2], dim=2) for t in (k, v))
     kvh = k.shape[2]
-    # one differentiable all-to-all for q, k and v: this rank's n tokens, every head -> every token, 1/sp of the heads
+    # one differentiable all-to-all for q, k and v: this rank's n tokens, every head -> every token, 1/sp of
+    # the heads
     qkv = torch.cat([t[0].unflatten(1, (sp, -1)) for t in (q, k, v)], dim=2).transpose(0, 1).contiguous()
     qkv = all_to_all_single_autograd(qkv, None, None, group).flatten(0, 1)
     q, k, v = (t.contiguous()[None] for t in qkv.split([H // sp, kvh // sp, kvh // sp], dim=1))
-    y = all_to_all_single_autograd(attention(q, k, v, batch)[0].contiguous(), None, None, group)  # and back
+    # and back: the attention output of every token for 1/sp of the heads -> this rank's tokens, every head
+    y = all_to_all_single_autograd(attention(q, k, v, batch)[0].contiguous(), None, None, group)
     return y.unflatten(0, (sp, -1)).transpose(0, 1).flatten(1, 2)[None]
 
 
@@ -414,7 +462,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
-        """kv_cache: decode: this layer's (k, v) cache, a tuple; prefill: a list that receives its new (k, v)."""
+        """kv_cache: decode: this layer's (k, v) cache, a tuple; prefill: a list that receives its new
+        (k, v)."""
         B, T, _ = x.shape
         # -1: under tensor parallelism a rank holds a slice of the heads
         q, k, v = (proj(x).view(B, T, -1, self.hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -427,9 +476,14 @@ class Attention(nn.Module):
                 cache[rows, :, batch.cache_pos] = new[:, 0]
             y = decode_attention(q, *kv_cache, batch)
         else:
-            if kv_cache is not None:  # a prefill's fresh list per layer: a compiled block sees the same input each time
+            if kv_cache is not None:
+                # prefill: a fresh list per layer (not one shared by all layers), so that a compiled block
+                # sees the same input each time
                 kv_cache.append((k[0], v[0]))
-            y = ulysses_attention(q, k, v, batch) if batch.sp_group is not None else attention(q, k, v, batch)
+            if batch.sp_group is not None:  # sequence parallel: this rank holds 1/sp of the row's tokens
+                y = ulysses_attention(q, k, v, batch)
+            else:
+                y = attention(q, k, v, batch)
         return self.o_proj(y.reshape(B, T, -1))
 
 
@@ -452,9 +506,17 @@ def _grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
     return dtype if dtype == torch.bfloat16 else None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
 class Experts(nn.Module):
-    """num_experts SwiGLU MLPs, stacked: gate_up_proj [E, 2 * I, H] (each expert's gate rows, then its up rows) and
-    down_proj [E, H, I]. One parameter per projection, so FSDP (and expert parallelism) shard along experts."""
+    """num_experts SwiGLU MLPs, stacked: gate_up_proj [E, 2 * I, H] (each expert's gate rows, then its up
+    rows) and down_proj [E, H, I]. One parameter per projection, so FSDP (and expert parallelism) shard along
+    experts."""
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -462,27 +524,29 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x, ends):
-        """x [N, H], rows sorted by expert; ends [E]: cumulative row counts (expert e has rows ends[e-1]:ends[e])
-        -> [N, H], each row through its expert."""
+        """x [N, H], rows sorted by expert; ends [E]: cumulative row counts (expert e has rows
+        ends[e-1]:ends[e]) -> [N, H], each row through its expert."""
         # under expert parallelism the stacks are DTensors and ends counts this rank's experts only
-        w13, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+        w13, w2 = _local(self.gate_up_proj), _local(self.down_proj)
         dtype = _grouped_mm_dtype(x)
         if dtype is not None:  # one grouped GEMM per projection, no host sync
             offs = ends.to(torch.int32)
             gate, up = torch._grouped_mm(x.to(dtype), w13.to(dtype).transpose(1, 2), offs=offs).chunk(2, -1)
             return torch._grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offs)
+        # other devices and dtypes: a loop over every expert, even one without rows, so that every rank's
+        # stacks get a gradient (FSDP)
         counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         out = []
-        for e, xe in enumerate(x.split(counts)):  # other devices / dtypes: every expert, even one without rows,
-            gate, up = F.linear(xe, w13[e]).chunk(2, -1)  # so that every rank's stacks get a gradient (FSDP)
+        for e, xe in enumerate(x.split(counts)):
+            gate, up = F.linear(xe, w13[e]).chunk(2, -1)
             out.append(F.linear(F.silu(gate) * up, w2[e]))
         return torch.cat(out)
 
 
 class MoE(nn.Module):
-    """Qwen3-MoE's sparse MLP: the router (`gate`) picks each token's top-k experts by softmax probability (fp32);
-    the token's output is the sum of their outputs weighted by those probabilities (renormalized to sum to 1 when
-    norm_topk_prob). Every expert computes, so nothing is dropped."""
+    """Qwen3-MoE's sparse MLP: the router (`gate`) picks each token's top-k experts by softmax probability
+    (fp32); the token's output is the sum of their outputs weighted by those probabilities (renormalized to
+    sum to 1 when norm_topk_prob). Every expert computes, so nothing is dropped."""
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -490,7 +554,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
 
     def forward(self, x, router_loads: list | None = None, routed=None):
-        """routed: router replay, each token's k experts as the rollout engine chose them (any integer dtype)."""
+        """routed: router replay, each token's k experts as the rollout engine chose them (any integer
+        dtype)."""
         shape, E = x.shape, self.gate.weight.shape[0]
         x = x.reshape(-1, shape[-1])
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -511,16 +576,18 @@ class MoE(nn.Module):
 
 
 def router_load(probs, experts) -> torch.Tensor:
-    """One MoE layer's router statistics over its tokens, fp32 [2, E]: row 0 = how many tokens picked each expert
-    among their top-k (experts [N, k]), row 1 = the sum of the router probabilities (probs [N, E]) per expert."""
+    """One MoE layer's router statistics over its tokens, fp32 [2, E]: row 0 = how many tokens picked each
+    expert among their top-k (experts [N, k]), row 1 = the sum of the router probabilities (probs [N, E]) per
+    expert."""
     picks = torch.zeros_like(probs[0]).index_add_(0, experts.flatten(), probs.new_ones(experts.numel()))
     return torch.stack([picks, probs.sum(0)])
 
 
 def load_balancing_loss(router_loads: list, top_k: int) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss as transformers computes it (load_balancing_loss_func, no padding): over
-    all tokens of all MoE layers, E * sum_e f_e * P_e with f_e = top-k picks of expert e / tokens and P_e = mean
-    router probability of e. 1 x top_k when routing is uniform. Gradients reach the routers through P."""
+    """Switch Transformer's auxiliary loss as transformers computes it (load_balancing_loss_func, no padding):
+    over all tokens of all MoE layers, E * sum_e f_e * P_e with f_e = top-k picks of expert e / tokens and
+    P_e = mean router probability of e. 1 x top_k when routing is uniform. Gradients reach the routers
+    through P."""
     total = torch.stack(router_loads).sum(0)
     tokens = total[0].sum() / top_k
     return total.shape[1] * (total[0] / tokens * total[1] / tokens).sum()
@@ -534,11 +601,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if moe else MLP(cfg)
 
-    # the caller picks the layer's cache: no layer index inside, so all blocks of a kind share one compiled graph
+    # the caller picks the layer's cache: no layer index inside, so all blocks of a kind share one compiled
+    # graph
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None, router_loads=None, routed=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, router_loads, routed) if isinstance(self.mlp, MoE) else self.mlp(h))
+        if isinstance(self.mlp, MoE):  # router statistics and router replay concern MoE layers only
+            return x + self.mlp(h, router_loads, routed)
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -547,18 +617,28 @@ class Transformer(nn.Module):
         self.config = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, cfg.is_moe_layer(i))
+                                          for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # tied embeddings: no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.gradient_checkpointing = False  # activation checkpointing: every block (True), none, or the first N (int)
-        self.logprob_chunk_fn = None  # the log-prob head's chunk function, None: eager (apply_compile sets one)
-        self.sp_group = None  # sequence parallelism, set by parallel.apply_sp: packed log-prob forwards split tokens
+        if cfg.tie_word_embeddings:
+            # no lm_head module at all (HF checkpoints omit it too); logits use embed_tokens.weight
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # activation checkpointing: every block (True), none (False), or the first N blocks (an int)
+        self.gradient_checkpointing = False
+        # the log-prob head's chunk function; None: the eager _chunk_logprob_entropy (apply_compile sets a
+        # compiled one)
+        self.logprob_chunk_fn = None
+        # sequence parallelism, set by parallel.apply_sp: packed log-prob forwards split their tokens over it
+        self.sp_group = None
         self.inv_freq = rope_inv_freq(cfg)  # fp32, a plain attribute so that .to(bf16) never rounds it
 
     def init_weights(self, std: float = 0.02, seed: int | None = None):
         """Random init (tests, benchmarks, the demo's warm start): normal(0, std), zero biases, unit norms."""
-        g = torch.Generator(device=self.output_weight.device).manual_seed(seed) if seed is not None else None
+        g = None  # None: torch's default generator
+        if seed is not None:
+            g = torch.Generator(device=self.output_weight.device).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith(".bias"):
@@ -580,15 +660,18 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
         (log p(target), entropy or None), each [B, T] in fp32, computed in chunks of logprob_chunk tokens.
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
-        logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last tokens).
-        router_loads: a list each MoE layer appends its router_load of this forward's (this SP rank's) tokens to.
+        logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last
+            tokens).
+        router_loads: a list each MoE layer appends its router_load of this forward's (this SP rank's)
+            tokens to.
         routed_experts [B, T, layers, top_k]: router replay, the experts each MoE layer sends each token to.
-        With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank passes the same
-        row, computes 1/sp of it and gets the whole row's outputs."""
+        With self.sp_group set, a packed forward with target_ids is sequence parallel: every rank passes the
+        same row, computes 1/sp of it and gets the whole row's outputs."""
         batch = batch or AttnBatch()
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        # sequence parallel: only a packed forward that computes log-probs (target_ids) splits its tokens
         sp_group = self.sp_group if target_ids is not None and batch.cu_seqlens is not None else None
         if sp_group is not None:
             input_ids, position_ids, target_ids, routed_experts, batch = split_for_sp(
@@ -598,17 +681,31 @@ class Transformer(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
         x = self.model.embed_tokens(input_ids)
-        ckpt = self.gradient_checkpointing
-        n_ckpt = (len(self.model.layers) if ckpt is True else int(ckpt)) if torch.is_grad_enabled() else 0
+        # how many blocks, from the first, recompute their activations in backward (activation checkpointing)
+        if not torch.is_grad_enabled():
+            n_ckpt = 0  # no backward will follow
+        elif self.gradient_checkpointing is True:
+            n_ckpt = len(self.model.layers)  # every block
+        else:
+            n_ckpt = int(self.gradient_checkpointing)  # the first N blocks; False: none
         for i, layer in enumerate(self.model.layers):
-            kv_cache = batch.kv_cache[i] if batch.kv_cache is not None else [] if batch.collect_kv is not None else None
-            # an empty list per layer: FSDP rebuilds containers that hold tensors needing grad before a block runs,
-            # and a recompute's appends land in it, not in the caller's list
-            mine = None if router_loads is None else []
-            args = (x, cos, sin, batch, kv_cache, mine, None if routed_experts is None else routed_experts[:, :, i])
-            x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if i < n_ckpt else layer(*args)
-            if mine is not None:
-                router_loads.extend(mine)
+            if batch.kv_cache is not None:
+                kv_cache = batch.kv_cache[i]  # decode: this layer's (k, v) cache, which the new token joins
+            elif batch.collect_kv is not None:
+                kv_cache = []  # prefill: a fresh list that receives this layer's (k, v), collected below
+            else:
+                kv_cache = None  # a plain forward (training, log-probs): no cache
+            # router statistics go into an empty list per layer: FSDP rebuilds containers that hold tensors
+            # needing grad before a block runs, and a recompute's appends land in it, not in the caller's list
+            layer_loads = None if router_loads is None else []
+            routed = None if routed_experts is None else routed_experts[:, :, i]
+            args = (x, cos, sin, batch, kv_cache, layer_loads, routed)
+            if i < n_ckpt:
+                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+            else:
+                x = layer(*args)
+            if layer_loads is not None:
+                router_loads.extend(layer_loads)
             if batch.collect_kv is not None:
                 batch.collect_kv.extend(kv_cache)
         h = self.model.norm(x)
@@ -618,10 +715,15 @@ class Transformer(nn.Module):
             return F.linear(h, self.output_weight)
         # computed here (inside forward) so FSDP has the output weight unsharded
         logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.output_weight, target_ids.flatten(),
-                                               temperature, logprob_chunk, with_entropy, self.logprob_chunk_fn)
+                                               temperature, logprob_chunk, with_entropy,
+                                               self.logprob_chunk_fn)
         if sp_group is not None:  # every rank gets the whole row (padding dropped), hence the same loss
-            logp, ent = (t if t is None else _GatherTokens.apply(t, sp_group)[:T] for t in (logp, ent))
-        return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
+            logp = _GatherTokens.apply(logp, sp_group)[:T]
+            if ent is not None:
+                ent = _GatherTokens.apply(ent, sp_group)[:T]
+        if ent is not None:
+            ent = ent.view(B, T)
+        return logp.view(B, T), ent
 
 
 # -----------------------------------------------------------------------------
@@ -631,25 +733,32 @@ def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy:
     logits = (h @ weight.t()).float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if with_entropy == "detached":  # a metric: no graph, which would hold each chunk's logits to the end of backward
+    if not with_entropy:
+        return logp, None
+    if with_entropy == "detached":
+        # a metric: no graph, which would hold each chunk's logits to the end of backward
         logits, lse = logits.detach(), lse.detach()
-    # H = logsumexp(z) - sum softmax(z) z
-    return logp, (lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = logsumexp(z) - sum softmax(z) z
+    return logp, entropy
 
 
 def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
                                with_entropy: bool | str = False, chunk_fn=None):
     """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32, of
     logits / temperature (what the rollout engines sample from). Under autograd each chunk is recomputed in
-    backward, so only one chunk of fp32 logits exists at any time. with_entropy="detached": the entropy without a
-    gradient. chunk_fn: _chunk_logprob_entropy or a compiled copy of it."""
+    backward, so only one chunk of fp32 logits exists at any time. with_entropy="detached": the entropy
+    without a gradient. chunk_fn: _chunk_logprob_entropy or a compiled copy of it."""
     fn = chunk_fn or _chunk_logprob_entropy
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fn = functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)
-    parts = [fn(hidden[s:s + chunk], weight, target_ids[s:s + chunk], temperature, with_entropy)
-             for s in range(0, hidden.shape[0], chunk)]
-    logp = torch.cat([lp for lp, _ in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
-    return logp, (torch.cat([ent for _, ent in parts]) if with_entropy and parts else None)
+    parts = []  # (logp, entropy or None) per chunk
+    for s in range(0, hidden.shape[0], chunk):
+        parts.append(fn(hidden[s:s + chunk], weight, target_ids[s:s + chunk], temperature, with_entropy))
+    if not parts:  # no tokens
+        return hidden.new_zeros(0, dtype=torch.float32), None
+    logp = torch.cat([lp for lp, _ in parts])
+    entropy = torch.cat([ent for _, ent in parts]) if with_entropy else None
+    return logp, entropy
 
 
 def pack_sequences(seqs: list[list[int]], device=None):
@@ -657,42 +766,50 @@ def pack_sequences(seqs: list[list[int]], device=None):
     lens = [len(s) for s in seqs]
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
     pos = torch.cat([torch.arange(n) for n in lens]).to(device)[None]
-    cu = list(itertools.accumulate(lens, initial=0))
-    return ids, pos, AttnBatch(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device), cu_seqlens_list=cu,
-                               max_seqlen=max(lens))
+    cu = list(itertools.accumulate(lens, initial=0))  # document boundaries: [0, len0, len0 + len1, ...]
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+    return ids, pos, AttnBatch(cu_seqlens=cu_seqlens, cu_seqlens_list=cu, max_seqlen=max(lens))
 
 
 # -----------------------------------------------------------------------------
 # HF checkpoints in and out
 
-_EXPERT_PROJ = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # stack -> HF projections
+# an expert stack's name -> the HF projections stacked in it, in order along its dim 1
+_EXPERT_PROJ = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def hf_slices(name: str, shape) -> list[tuple[str, tuple]]:
     """A parameter (name, shape) -> its HF tensors as (HF name, index into the parameter): an expert stack
-    ...mlp.experts.gate_up_proj [E, 2I, H] -> ...experts.e.gate_proj.weight at [e, :I] and ...experts.e.up_proj.weight
-    at [e, I:] for each expert e, down_proj alike; any other name (HF names included) maps to itself at index ()."""
+    ...mlp.experts.gate_up_proj [E, 2I, H] -> ...experts.e.gate_proj.weight at [e, :I] and
+    ...experts.e.up_proj.weight at [e, I:] for each expert e, down_proj alike; any other name (HF names
+    included) maps to itself at index ()."""
     layer, _, proj = name.rpartition(".experts.")
     if proj not in _EXPERT_PROJ:
         return [(name, ())]
-    n = shape[1] // len(_EXPERT_PROJ[proj])
-    return [(f"{layer}.experts.{e}.{hf}.weight", (e, slice(j * n, (j + 1) * n)))
-            for e in range(shape[0]) for j, hf in enumerate(_EXPERT_PROJ[proj])]
+    n = shape[1] // len(_EXPERT_PROJ[proj])  # rows of one projection
+    slices = []
+    for e in range(shape[0]):
+        for j, hf in enumerate(_EXPERT_PROJ[proj]):
+            slices.append((f"{layer}.experts.{e}.{hf}.weight", (e, slice(j * n, (j + 1) * n))))
+    return slices
 
 
 def hf_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A full parameter (not a DTensor shard) -> [(HF name, tensor)]: the tensor itself, or for an expert stack one
-    view per expert and projection (writing into a view writes the stack). For checkpoints and load_weights."""
+    """A full parameter (not a DTensor shard) -> [(HF name, tensor)]: the tensor itself, or for an expert
+    stack one view per expert and projection (writing into a view writes the stack). For checkpoints and
+    load_weights."""
     return [(hf, tensor[ix] if ix else tensor) for hf, ix in hf_slices(name, tensor.shape)]
 
 
 def hf_targets(model: nn.Module) -> dict:
-    """The inverse of hf_tensors: HF name -> (parameter, index) where that HF tensor goes (see copy_hf_tensor)."""
+    """The inverse of hf_tensors: HF name -> (parameter, index) where that HF tensor goes (see
+    copy_hf_tensor)."""
     return {hf: (p, ix) for name, p in model.named_parameters() for hf, ix in hf_slices(name, p.shape)}
 
 
 def copy_hf_tensor(p: torch.Tensor, ix: tuple, t: torch.Tensor):
-    """p[ix] = t (under no_grad); p may be a DTensor: each rank holds the full t and keeps the part in its shard."""
+    """p[ix] = t (under no_grad); p may be a DTensor: each rank holds the full t and keeps the part in its
+    shard."""
     if not isinstance(p, DTensor):
         (p[ix] if ix else p).copy_(t)
     elif not ix:
@@ -700,7 +817,10 @@ def copy_hf_tensor(p: torch.Tensor, ix: tuple, t: torch.Tensor):
                                              src_data_rank=None).to_local())
     else:  # a slice of a sharded expert stack: intersect its box with this rank's box, dim by dim
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        box = [slice(i, i + 1) if isinstance(i, int) else i for i in ix] + [slice(0, n) for n in p.shape[len(ix):]]
+        # the slice's box in the parameter: an integer index is one row of its dim; the dims after ix are
+        # whole
+        box = [slice(i, i + 1) if isinstance(i, int) else i for i in ix]
+        box += [slice(0, n) for n in p.shape[len(ix):]]
         src, dst = [], []
         for s, o, n in zip(box, offset, shape):
             lo, hi = max(s.start, o), min(s.stop, o + n)
@@ -716,7 +836,8 @@ def _read_json(path):
         with open(path) as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); copy the file again from the model's source") from None
+        raise ValueError(f"{path} is not valid JSON ({e}); copy the file again from the model's "
+                         "source") from None
 
 
 def load_config(path: str) -> ModelConfig:
@@ -745,30 +866,37 @@ def safetensors_files(path: str) -> list[str]:
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}; nanodapo reads HF "
-                            "safetensors checkpoints (convert .bin with transformers' save_pretrained)")
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}; nanodapo "
+                            "reads HF safetensors checkpoints (convert .bin with transformers' "
+                            "save_pretrained)")
 
 
 def _checkpoint_tensors(path: str, cfg: ModelConfig):
-    """(file, its open safe_open handle, HF name) for each tensor of the checkpoint at path that the model holds."""
+    """(file, its open safe_open handle, HF name) for each tensor of the checkpoint at path that the model
+    holds."""
     for f in safetensors_files(path):
         try:
             sf = safe_open(f, framework="pt", device="cpu")
         except SafetensorError as e:  # raised on open for a truncated or corrupt header
-            raise ValueError(f"{f} is not a readable safetensors file ({e}); it is truncated or corrupt: copy it "
-                             "again from the model's source") from None
+            raise ValueError(f"{f} is not a readable safetensors file ({e}); it is truncated or corrupt: "
+                             "copy it again from the model's source") from None
         with sf:
             for name in sf.keys():
-                if not (name == "lm_head.weight" and cfg.tie_word_embeddings):  # tied: the model has no lm_head
-                    yield f, sf, name
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # tied embeddings: the model has no lm_head
+                yield f, sf, name
 
 
 def check_weights(path: str) -> ModelConfig:
-    """The checkpoint at path against its config.json, from the safetensors headers only (no weights are read): every
-    tensor named and shaped as config.json implies, none missing, no file truncated. -> its ModelConfig."""
+    """The checkpoint at path against its config.json, from the safetensors headers only (no weights are
+    read): every tensor named and shaped as config.json implies, none missing, no file truncated. -> its
+    ModelConfig."""
     cfg = load_config(path)
+    expected = {}  # HF name -> the shape config.json implies
     with torch.device("meta"):
-        expected = {hf: tuple(t.shape) for k, v in Transformer(cfg).named_parameters() for hf, t in hf_tensors(k, v)}
+        for name, p in Transformer(cfg).named_parameters():
+            for hf, t in hf_tensors(name, p):
+                expected[hf] = tuple(t.shape)
     found = set()
     for f, sf, name in _checkpoint_tensors(path, cfg):
         if name not in expected:
@@ -776,21 +904,22 @@ def check_weights(path: str) -> ModelConfig:
                              "with this config.json (wrong architecture or config?)")
         shape = tuple(sf.get_slice(name).get_shape())
         if shape != expected[name]:
-            raise ValueError(f"shape mismatch for {name!r} in {f}: the checkpoint has {shape}, config.json implies "
-                             f"{expected[name]}; copy the model's own config.json (this one does not describe it)")
+            raise ValueError(f"shape mismatch for {name!r} in {f}: the checkpoint has {shape}, config.json "
+                             f"implies {expected[name]}; copy the model's own config.json (this one does not "
+                             "describe it)")
         found.add(name)
     missing = sorted(set(expected) - found)
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors that its config.json implies, e.g. "
-                         f"{missing[:3]}; a shard is missing or config.json does not describe these weights "
-                         "(num_hidden_layers, tie_word_embeddings, num_experts)")
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors that its config.json implies, "
+                         f"e.g. {missing[:3]}; a shard is missing or config.json does not describe these "
+                         "weights (num_hidden_layers, tie_word_embeddings, num_experts)")
     return cfg
 
 
 def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=None) -> Transformer:
     """Load an HF checkpoint straight into the module: built on the meta device, optionally sharded by
-    `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by tensor, so each
-    rank only ever holds its shard."""
+    `parallelize(model)` (TP / FSDP, still on meta), materialized on `device`, then filled tensor by tensor,
+    so each rank only ever holds its shard."""
     cfg = check_weights(path)  # names and shapes, before any memory is spent
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
@@ -805,20 +934,23 @@ def from_pretrained(path: str, dtype=torch.bfloat16, device="cpu", parallelize=N
 
 
 def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = 5 * 2**30, state_dict=None):
-    """Write config.json + safetensors (sharded with an index above max_shard_bytes) in HF's names, which transformers
-    and vLLM load. `state_dict` (nanodapo's or HF's names, e.g. gathered from FSDP) overrides model.state_dict()."""
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes) in HF's names, which
+    transformers and vLLM load. `state_dict` (nanodapo's or HF's names, e.g. gathered from FSDP) overrides
+    model.state_dict()."""
     os.makedirs(path, exist_ok=True)
     sd = state_dict if state_dict is not None else model.state_dict()
-    tensors = [pair for k, v in sd.items() for pair in hf_tensors(k, v.detach())]
-    shards, size = [[]], 0
+    tensors = [pair for k, v in sd.items() for pair in hf_tensors(k, v.detach())]  # (HF name, tensor)
+    shards, size = [[]], 0  # consecutive tensors, a new shard whenever the next would pass max_shard_bytes
     for k, v in tensors:
         nbytes = v.numel() * v.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards, size = shards + [[]], 0
         shards[-1].append((k, v))
         size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
         # copies, one shard at a time: views of one expert stack may not share memory in a file
         save_file({k: v.to("cpu", copy=True, memory_format=torch.contiguous_format) for k, v in shard},

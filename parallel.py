@@ -1,8 +1,9 @@
 """
-Devices and multi-device training: the device type (cuda, npu or cpu) and its process-group backend, autocast,
-RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP, Ulysses SP, EP, per-block compile and FSDP2
-(bf16 compute over fp32 master weights); full weights in buckets for the rollout engine.
+Devices and multi-device training: the device type (cuda, npu or cpu) and its process-group backend,
+autocast, RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP, Ulysses SP, EP, per-block
+compile and FSDP2 (bf16 compute over fp32 master weights); full weights in buckets for the rollout engine.
 """
+import importlib
 import math
 import os
 import pickle
@@ -30,8 +31,8 @@ def device_type(requested: str = "auto") -> str:
     'cuda' or 'npu' must be usable on this machine: ValueError naming the fix otherwise, before any work."""
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"device={requested!r}; choose one of auto, {', '.join(BACKENDS)}")
-    try:
-        import torch_npu  # noqa: F401  (optional; importing it registers torch.npu, which 'auto' then sees)
+    try:  # optional; importing torch_npu registers torch.npu, which 'auto' then sees
+        importlib.import_module("torch_npu")
         npu = True
     except ImportError:
         npu = False
@@ -39,11 +40,11 @@ def device_type(requested: str = "auto") -> str:
         acc = torch.accelerator.current_accelerator()
         return acc.type if acc is not None and acc.type in BACKENDS else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False: a CPU "
-                         "build of torch, or no driver); use device='auto' or device='cpu'")
+        raise ValueError("device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False: a "
+                         "CPU build of torch, or no driver); use device='auto' or device='cpu'")
     if requested == "npu" and not npu:
-        raise ValueError("device='npu' but torch_npu is not installed; pip install torch_npu (nanodapo[npu]), "
-                         "or use device='auto' or device='cpu'")
+        raise ValueError("device='npu' but torch_npu is not installed; pip install torch_npu "
+                         "(nanodapo[npu]), or use device='auto' or device='cpu'")
     if requested == "npu" and not torch.npu.is_available():
         raise ValueError("device='npu' but torch_npu sees no NPU (torch.npu.is_available() is False); "
                          "use device='auto' or device='cpu'")
@@ -52,7 +53,9 @@ def device_type(requested: str = "auto") -> str:
 
 def process_group_backend(kind: str) -> str:
     """gloo on the CPU; on an accelerator its collective library, plus gloo for CPU tensors and objects."""
-    return BACKENDS["cpu"] if kind == "cpu" else f"cpu:{BACKENDS['cpu']},{kind}:{BACKENDS[kind]}"
+    if kind == "cpu":
+        return BACKENDS["cpu"]
+    return f"cpu:{BACKENDS['cpu']},{kind}:{BACKENDS[kind]}"
 
 
 def get_device(requested: str = "auto") -> torch.device:
@@ -61,7 +64,10 @@ def get_device(requested: str = "auto") -> torch.device:
 
 
 def max_memory_allocated_gib(device: torch.device) -> float:
-    return 0.0 if device.type == "cpu" else torch.get_device_module(device.type).max_memory_allocated() / 2**30
+    """The peak of torch's allocator on the device, in GiB; 0 on the CPU, which does not track it."""
+    if device.type == "cpu":
+        return 0.0
+    return torch.get_device_module(device.type).max_memory_allocated() / 2**30
 
 
 def seed_everything(seed: int):
@@ -89,47 +95,50 @@ def set_rng_state(state: dict, device: torch.device):
 # process groups and the device mesh
 
 def check_mesh(world_size: int, tp_size: int, sp_size: int, num_attention_heads: int | None = None,
-               num_key_value_heads: int | None = None, ep_size: int = 1, num_experts: int | None = None) -> int:
-    """The mesh arithmetic, in one place: world = dp x sp x tp; TP splits the query and key/value heads, SP each
-    TP rank's query heads again; EP splits each MoE layer's experts over ep_size of the dp x sp ranks (tp_size 1).
-    Returns dp; raises ValueError naming the knobs and the fix."""
+               num_key_value_heads: int | None = None, ep_size: int = 1,
+               num_experts: int | None = None) -> int:
+    """The mesh arithmetic, in one place: world = dp x sp x tp; TP splits the query and key/value heads, SP
+    each TP rank's query heads again; EP splits each MoE layer's experts over ep_size of the dp x sp ranks
+    (tp_size 1). Returns dp; raises ValueError naming the knobs and the fix."""
     if tp_size < 1 or sp_size < 1 or ep_size < 1:
         raise ValueError(f"tp_size={tp_size}, sp_size={sp_size} and ep_size={ep_size} must be >= 1 (1 = off)")
     n = tp_size * sp_size
     if world_size % n:
-        raise ValueError(f"sp_size={sp_size} x tp_size={tp_size} = {n} must divide the world size {world_size} "
-                         f"(dp = world_size / (sp_size x tp_size) replicas); launch a multiple of {n} ranks or "
-                         f"choose tp_size and sp_size whose product divides {world_size}")
+        raise ValueError(f"sp_size={sp_size} x tp_size={tp_size} = {n} must divide the world size "
+                         f"{world_size} (dp = world_size / (sp_size x tp_size) replicas); launch a multiple "
+                         f"of {n} ranks or choose tp_size and sp_size whose product divides {world_size}")
     if num_attention_heads is not None and num_attention_heads % n:
-        raise ValueError(f"num_attention_heads={num_attention_heads} must be divisible by tp_size x sp_size = "
-                         f"{tp_size} x {sp_size}: TP splits the query heads and sequence parallelism splits each "
-                         f"TP rank's heads again; choose tp_size x sp_size dividing {num_attention_heads}")
+        raise ValueError(f"num_attention_heads={num_attention_heads} must be divisible by tp_size x sp_size "
+                         f"= {tp_size} x {sp_size}: TP splits the query heads and sequence parallelism "
+                         f"splits each TP rank's heads again; choose tp_size x sp_size dividing "
+                         f"{num_attention_heads}")
     if num_key_value_heads is not None and num_key_value_heads % tp_size:
-        raise ValueError(f"num_key_value_heads={num_key_value_heads} must be divisible by tp_size={tp_size}: TP "
-                         f"splits the key/value heads; choose a tp_size dividing {num_key_value_heads}")
+        raise ValueError(f"num_key_value_heads={num_key_value_heads} must be divisible by tp_size={tp_size}: "
+                         f"TP splits the key/value heads; choose a tp_size dividing {num_key_value_heads}")
     if ep_size > 1:
         if tp_size > 1:
-            raise ValueError(f"ep_size={ep_size} with tp_size={tp_size}: expert parallelism runs without tensor "
-                             "parallelism; set tp_size=1 (EP + FSDP + sp_size for long sequences)")
+            raise ValueError(f"ep_size={ep_size} with tp_size={tp_size}: expert parallelism runs without "
+                             "tensor parallelism; set tp_size=1 (EP + FSDP + sp_size for long sequences)")
         if world_size % ep_size:  # tp_size 1: every rank is an FSDP rank
-            raise ValueError(f"ep_size={ep_size} must divide the dp x sp = {world_size} ranks (experts are split over "
-                             f"ep_size ranks, FSDP-sharded over the other {world_size} / ep_size); choose an ep_size "
-                             f"dividing {world_size}")
+            raise ValueError(f"ep_size={ep_size} must divide the dp x sp = {world_size} ranks (experts are "
+                             f"split over ep_size ranks, FSDP-sharded over the other {world_size} / "
+                             f"ep_size); choose an ep_size dividing {world_size}")
         if num_experts is not None and (num_experts == 0 or num_experts % ep_size):
             raise ValueError(f"ep_size={ep_size} must divide num_experts={num_experts} (each rank holds "
-                             f"num_experts / ep_size experts of every MoE layer; a dense model has none); choose "
-                             "an ep_size dividing num_experts, or ep_size=1")
+                             f"num_experts / ep_size experts of every MoE layer; a dense model has none); "
+                             "choose an ep_size dividing num_experts, or ep_size=1")
     return world_size // n
 
 
 @dataclass
 class ParallelDims:
-    """world = dp x sp x tp ranks; rank = (dp_rank * sp + sp_rank) * tp + tp_rank (TP innermost, on one node).
-    dp replicas see different data; the sp x tp ranks of one replica run the same micro-batches (TP splits heads and
-    features, SP tokens). FSDP shards over, and sums gradients over, the fsdp_size = dp x sp ranks of one TP index.
-    ep (tp = 1): groups of ep consecutive fsdp ranks split each MoE layer's experts, whose weights FSDP shards over
-    the efsdp_size = fsdp_size / ep ranks of the same ep_rank. Asynchronous rollout: world_size counts the trainer
-    ranks, the first of torchrun's; the ranks after them only generate (is_generator)."""
+    """world = dp x sp x tp ranks; rank = (dp_rank * sp + sp_rank) * tp + tp_rank (TP innermost, on one
+    node). dp replicas see different data; the sp x tp ranks of one replica run the same micro-batches (TP
+    splits heads and features, SP tokens). FSDP shards over, and sums gradients over, the fsdp_size = dp x sp
+    ranks of one TP index. ep (tp = 1): groups of ep consecutive fsdp ranks split each MoE layer's experts,
+    whose weights FSDP shards over the efsdp_size = fsdp_size / ep ranks of the same ep_rank. Asynchronous
+    rollout: world_size counts the trainer ranks, the first of torchrun's; the ranks after them only generate
+    (is_generator)."""
     world_size: int
     rank: int
     local_rank: int
@@ -172,8 +181,8 @@ class ParallelDims:
 
     @property
     def sharded(self) -> bool:
-        """The policy runs under FSDP2 (fp32 master weights, compute in bf16): several ranks, or one accelerator,
-        which is a mesh of one; only a single CPU process trains a plain fp32 module."""
+        """The policy runs under FSDP2 (fp32 master weights, compute in bf16): several ranks, or one
+        accelerator, which is a mesh of one; only a single CPU process trains a plain fp32 module."""
         return self.mesh is not None
 
     @property
@@ -187,24 +196,30 @@ class ParallelDims:
 
 def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1, rollout: int = 0,
                      mesh_of_one: bool | None = None) -> ParallelDims:
-    """This rank's ParallelDims from torchrun's environment (plain python: one rank), checked before any process
-    group or device is set up. rollout > 0: the last rollout ranks only generate; the mesh spans the others.
-    mesh_of_one: whether one trainer rank gets a mesh (FSDP) too; None = on an accelerator, not on a CPU."""
+    """This rank's ParallelDims from torchrun's environment (plain python: one rank), checked before any
+    process group or device is set up. rollout > 0: the last rollout ranks only generate; the mesh spans the
+    others. mesh_of_one: whether one trainer rank gets a mesh (FSDP) too; None = on an accelerator, not on a
+    CPU."""
     total = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), total - rollout
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = total - rollout  # the trainer ranks
     kind = device_type(device)
     dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, local_rank)
     dims = ParallelDims(world, rank, local_rank, tp, dev, sp=sp, ep=ep)
     if kind != "cpu":
         torch.get_device_module(kind).set_device(local_rank)
-    sharded = world > 1 or (kind != "cpu" if mesh_of_one is None else mesh_of_one)
+    if mesh_of_one is None:  # the default: a mesh on an accelerator, none on a CPU
+        mesh_of_one = kind != "cpu"
+    sharded = world > 1 or mesh_of_one
     if total > 1 or sharded:
         init_process_group(kind)
     if rollout:
         dims.group = dist.new_group(list(range(world)))
         dims.rollout_group = dist.new_group([0, *range(world, total)])
     if sharded:
-        dims.mesh = DeviceMesh(kind, torch.arange(world).view(dims.dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+        dims.mesh = DeviceMesh(kind, torch.arange(world).view(dims.dp, sp, tp),
+                               mesh_dim_names=("dp", "sp", "tp"))
         dims.fsdp_mesh = dims.mesh["dp", "sp"]._flatten("fsdp")
         if ep > 1:
             dims.expert_mesh = DeviceMesh(kind, torch.arange(world).view(dims.efsdp_size, ep),
@@ -221,7 +236,8 @@ def init_process_group(kind: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     dist.init_process_group(backend=process_group_backend(kind))
 
 
@@ -241,7 +257,8 @@ def all_gather_objects(obj, dims: ParallelDims) -> list:
 
 
 def sum_over_dp(values: dict, dims: ParallelDims) -> dict:
-    """Sum of a dict of floats over the dp replicas only: the sp x tp ranks of a replica hold the same values."""
+    """Sum of a dict of floats over the dp replicas only: the sp x tp ranks of a replica hold the same
+    values."""
     if dims.dp == 1 or not values:
         return values
     keys = sorted(values)
@@ -264,7 +281,8 @@ def barrier(dims: ParallelDims):
 
 
 def send_object(obj, dst: int) -> list:
-    """Send a picklable obj to rank dst without waiting -> the work handles (they hold the buffers: wait on them)."""
+    """Send a picklable obj to rank dst without waiting -> the work handles (they hold the buffers: wait on
+    them)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     return [dist.isend(torch.tensor([data.numel()]), dst), dist.isend(data, dst)]
 
@@ -279,18 +297,28 @@ def recv_object(src: int):
 
 
 def broadcast_buckets(buckets, group, device: torch.device):
-    """Buckets of (name, full tensor) from the group's first rank, which passes them, to its other ranks, which pass
-    None and iterate what this yields (per bucket: names and shapes, then one flat tensor). Every rank iterates."""
-    src, is_src, it = dist.get_global_rank(group, 0), buckets is not None, iter(buckets or ())
+    """Buckets of (name, full tensor) from the group's first rank, which passes them, to its other ranks,
+    which pass None and iterate what this yields (per bucket: names and shapes, then one flat tensor). Every
+    rank iterates."""
+    src = dist.get_global_rank(group, 0)
+    is_src = buckets is not None
+    it = iter(buckets or ())
     while True:
-        bucket = next(it, []) if is_src else None
-        meta = [[(n, t.shape, t.dtype) for n, t in bucket] if is_src else None]
+        # the source sends the next bucket's (name, shape, dtype) list; an empty one means the end
+        if is_src:
+            bucket = next(it, [])
+            meta = [[(n, t.shape, t.dtype) for n, t in bucket]]
+        else:
+            bucket = None
+            meta = [None]
         dist.broadcast_object_list(meta, src=src, group=group)
         if not meta[0]:
             return
         sizes = [shape.numel() for _, shape, _ in meta[0]]
-        flat = (torch.cat([t.reshape(-1) for _, t in bucket]) if is_src else
-                torch.empty(sum(sizes), dtype=meta[0][0][2], device=device))
+        if is_src:
+            flat = torch.cat([t.reshape(-1) for _, t in bucket])
+        else:  # a buffer for the whole bucket, in its first tensor's dtype
+            flat = torch.empty(sum(sizes), dtype=meta[0][0][2], device=device)
         dist.broadcast(flat, src=src, group=group)
         if not is_src:
             yield [(n, t.view(shape)) for (n, shape, _), t in zip(meta[0], flat.split(sizes))]
@@ -307,18 +335,22 @@ TP_PLAN = {"self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParal
 
 
 def apply_tp(model, tp_mesh):
-    """TP_PLAN on every block; a MoE block's router and experts (no mlp.*_proj) stay replicated over the TP ranks."""
+    """TP_PLAN on every block; a MoE block's router and experts (no mlp.*_proj) stay replicated over the TP
+    ranks."""
     tp, cfg = tp_mesh.size(), model.config
     check_mesh(tp, tp, 1, cfg.num_attention_heads, cfg.num_key_value_heads)
     for block in model.model.layers:
         names = {name for name, _ in block.named_modules()}
         parallelize_module(block, tp_mesh, {k: style() for k, style in TP_PLAN.items() if k in names})
         if cfg.qk_norm:  # Qwen3's per-head q/k norms see only this rank's heads: sum their gradients
-            block.self_attn.q_norm.grad_sum_group = block.self_attn.k_norm.grad_sum_group = tp_mesh.get_group()
+            group = tp_mesh.get_group()
+            block.self_attn.q_norm.grad_sum_group = group
+            block.self_attn.k_norm.grad_sum_group = group
 
 
 def apply_sp(model, sp_mesh, tp: int = 1):
-    """Ulysses sequence parallelism (model.py, split_for_sp): packed log-prob forwards split tokens over sp_mesh."""
+    """Ulysses sequence parallelism (model.py, split_for_sp): packed log-prob forwards split tokens over
+    sp_mesh."""
     sp, cfg = sp_mesh.size(), model.config
     check_mesh(tp * sp, tp, sp, cfg.num_attention_heads, cfg.num_key_value_heads)
     model.sp_group = sp_mesh.get_group()
@@ -329,32 +361,40 @@ EXPERT_STACKS = ("gate_up_proj", "down_proj")  # a MoE layer's expert weights, s
 
 def expert_modules(model) -> list:
     """The modules that hold expert stacks (model.py's Experts, one per MoE layer)."""
-    return [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Parameter) for n in EXPERT_STACKS)]
+    return [m for m in model.modules()
+            if all(isinstance(getattr(m, n, None), nn.Parameter) for n in EXPERT_STACKS)]
 
 
 def apply_ep(model, ep_mesh):
-    """Expert parallelism (torchtitan's scheme): expert stacks become DTensors sharded along experts over ep_mesh;
-    each Experts module sends its input rows (sorted by expert, cumulative counts `ends`) to the ranks holding those
-    experts and the outputs back, by differentiable all-to-alls (the counts first, then the rows)."""
+    """Expert parallelism (torchtitan's scheme): expert stacks become DTensors sharded along experts over
+    ep_mesh; each Experts module sends its input rows (sorted by expert, cumulative counts `ends`) to the
+    ranks holding those experts and the outputs back, by differentiable all-to-alls (the counts first, then
+    the rows)."""
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     for experts in expert_modules(model):
         for name in EXPERT_STACKS:  # src_data_rank=None: every rank slices its own rows (works on meta too)
             shard = distribute_tensor(getattr(experts, name).data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(shard))
-        state = {}
+        state = {}  # what dispatch tells combine: the all-to-all splits and the row order
 
         def dispatch(module, args, state=state):
+            """Forward pre-hook: the rows go to the ranks holding their experts -> (the rows this rank
+            received, in the order of its experts; their cumulative counts per expert)."""
             x, ends = args
-            counts = torch.diff(ends, prepend=ends.new_zeros(1)).view(ep, -1)  # [destination rank, its expert]
-            recv = torch.empty_like(counts)  # [source rank, my expert]
+            # rows per [destination rank, its expert] here, per [source rank, my expert] in recv
+            counts = torch.diff(ends, prepend=ends.new_zeros(1)).view(ep, -1)
+            recv = torch.empty_like(counts)
             dist.all_to_all_single(recv, counts.contiguous(), group=group)
-            state["splits"] = counts.sum(1).tolist(), recv.sum(1).tolist()  # rows sent to / received from each rank
+            # rows sent to / received from each rank
+            state["splits"] = counts.sum(1).tolist(), recv.sum(1).tolist()
             rows = all_to_all_single_autograd(x, state["splits"][1], state["splits"][0], group)
             local = torch.arange(recv.shape[1], device=x.device).repeat(ep).repeat_interleave(recv.flatten())
             state["order"] = local.argsort(stable=True)  # (source, expert) order -> expert order
             return rows[state["order"]], recv.sum(0).cumsum(0)
 
         def combine(module, args, y, state=state):
+            """Forward hook: the outputs back in (source, expert) order, then back to the ranks they came
+            from."""
             back = torch.empty_like(y).index_copy(0, state["order"], y)
             return all_to_all_single_autograd(back, state["splits"][0], state["splits"][1], group)
 
@@ -363,8 +403,9 @@ def apply_ep(model, ep_mesh):
 
 
 def reduce_router_loads(router_loads: list, group) -> list:
-    """Each MoE layer's router_load (model.py) summed over `group` (the dp x sp ranks) with this rank's gradient path
-    only, so that the gradients FSDP sums add up to those of the aux loss over all the group's tokens."""
+    """Each MoE layer's router_load (model.py) summed over `group` (the dp x sp ranks) with this rank's
+    gradient path only, so that the gradients FSDP sums add up to those of the aux loss over all the group's
+    tokens."""
     if not router_loads or group is None or dist.get_world_size(group) == 1:
         return router_loads
     local = torch.stack(router_loads)
@@ -374,33 +415,45 @@ def reduce_router_loads(router_loads: list, group) -> list:
 
 
 def apply_compile(model, dynamic: bool | None = None):
-    """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod prefix)
-    and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one graph and compile
-    time is that of one block. dynamic=True: shapes symbolic from the first call (the built-in engine's decode)."""
-    # one cache of graphs for every block of the process: the trainer's (train, no-grad) and the engine's (prefill,
-    # decode, and a few input variants of each) together need more than dynamo's default 8
+    """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod
+    prefix) and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one
+    graph and compile time is that of one block. dynamic=True: shapes symbolic from the first call (the
+    built-in engine's decode)."""
+    # one cache of graphs for every block of the process: the trainer's (train, no-grad) and the engine's
+    # (prefill, decode, and a few input variants of each) together need more than dynamo's default 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for block in model.model.layers:
         block.compile(dynamic=dynamic)
     model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy)
 
 
-def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, offload: bool = False,
-               expert_mesh=None):
-    """fully_shard each decoder block, then the root: fp32 master parameters, compute in param_dtype, gradients
-    reduced in fp32 and summed, not averaged (the trainer's loss carries the one denominator). Inputs are not cast:
-    RoPE's cos/sin stay fp32, and a cast could give an activation-checkpoint recompute other dtypes."""
+def _shard_dim_1(param) -> Shard:
+    """FSDP's placement for an expert stack's parameter: along dim 1, as dim 0 (experts) is EP's."""
+    return Shard(1)
+
+
+def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+               offload: bool = False, expert_mesh=None):
+    """fully_shard each decoder block, then the root: fp32 master parameters, compute in param_dtype,
+    gradients reduced in fp32 and summed, not averaged (the trainer's loss carries the one denominator).
+    Inputs are not cast: RoPE's cos/sin stay fp32, and a cast could give an activation-checkpoint recompute
+    other dtypes."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-    experts = expert_modules(model) if expert_mesh is not None else []  # first, over efsdp, on dim 1 (EP splits dim 0)
-    units = [fully_shard(m, mesh=expert_mesh["efsdp"], shard_placement_fn=lambda p: Shard(1), **kw) for m in experts]
-    units += [fully_shard(m, mesh=fsdp_mesh, **kw) for m in (*model.model.layers, model)]  # blocks, then the root
+    units = []
+    if expert_mesh is not None:
+        # the expert stacks first, over efsdp, on dim 1 (EP splits dim 0)
+        for m in expert_modules(model):
+            units.append(fully_shard(m, mesh=expert_mesh["efsdp"], shard_placement_fn=_shard_dim_1, **kw))
+    for m in (*model.model.layers, model):  # the blocks, then the root
+        units.append(fully_shard(m, mesh=fsdp_mesh, **kw))
     for module in units:  # plain SUM collectives (gloo has no pre-multiplied sum)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False, compile: bool = False):
+def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False,
+                compile: bool = False):
     """Shard `model` for dims: TP, SP, EP, optionally compile each block, then FSDP2 (apply_fsdp)."""
     if dims.tp > 1:
         apply_tp(model, dims.mesh["tp"])
@@ -412,18 +465,24 @@ def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: 
     if compile:
         apply_compile(model)
     if dims.sharded:
-        apply_fsdp(model, dims.fsdp_mesh, param_dtype=param_dtype, offload=offload, expert_mesh=dims.expert_mesh)
+        apply_fsdp(model, dims.fsdp_mesh, param_dtype=param_dtype, offload=offload,
+                   expert_mesh=dims.expert_mesh)
 
 
 def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat16, rename=None):
-    """Yield lists of (name, full tensor) of about bucket_bytes each, gathered from the sharded model in a fixed
-    order. rename(name, full tensor) -> [(name, tensor)] maps a parameter to the engine's tensors (model.hf_tensors);
-    None keeps the names. Collective: every rank iterates to the end. Extra memory: one bucket plus one parameter."""
+    """Yield lists of (name, full tensor) of about bucket_bytes each, gathered from the sharded model in a
+    fixed order. rename(name, full tensor) -> [(name, tensor)] maps a parameter to the engine's tensors
+    (model.hf_tensors); None keeps the names. Collective: every rank iterates to the end. Extra memory: one
+    bucket plus one parameter."""
     bucket, size = [], 0
     for name, p in model.named_parameters():
         t = p.detach().to(dtype)  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
         t = t.full_tensor() if isinstance(t, DTensor) else t
-        for piece in rename(name, t) if rename is not None else [(name, t)]:
+        if rename is not None:
+            pieces = rename(name, t)
+        else:
+            pieces = [(name, t)]
+        for piece in pieces:
             bucket.append(piece)
             size += piece[1].numel() * piece[1].element_size()
             if size >= bucket_bytes:

@@ -35,10 +35,11 @@ class RewardError(ValueError):
 SUBSTITUTIONS = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
                  (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
 REMOVED_EXPRESSIONS = [
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
-    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
-    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}",
-    "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;", r",\!", "{,}", '"', "\\dots"]
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;",
+    r",\!", "{,}", '"', "\\dots"]
 
 
 def normalize_final_answer(final_answer: str) -> str:
@@ -105,9 +106,19 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
         assert method == "flexible", method
         found = re.findall(r"(\-?[0-9\.\,]+)", solution_str)
         numbers = [a for a in found if a != "."]
-        pred = numbers[-1] if numbers else (found[0] if found else None)  # verl keeps a lone "."; it never matches
+        if numbers:
+            pred = numbers[-1]
+        elif found:
+            pred = found[0]  # only "." was found: verl keeps it as the prediction; it never matches
+        else:
+            pred = None
     correct = pred is not None and pred == ground_truth
-    value = score if correct else (format_score if pred is not None else 0.0)
+    if correct:
+        value = score
+    elif pred is not None:
+        value = format_score  # a number, but not the answer
+    else:
+        value = 0.0  # no number at all
     return {"score": float(value), "acc": correct, "pred": pred}
 
 
@@ -130,7 +141,10 @@ AIME_PREFIX = "aime"
 
 
 def _verifier(data_source: str):
-    return math_dapo_score if str(data_source).startswith(AIME_PREFIX) else VERIFIERS.get(data_source)
+    """The rule verifier for data_source; None if there is none."""
+    if str(data_source).startswith(AIME_PREFIX):
+        return math_dapo_score
+    return VERIFIERS.get(data_source)
 
 
 def check_data_sources(data_sources: set[str], reward_fn: str | None) -> None:
@@ -138,9 +152,10 @@ def check_data_sources(data_sources: set[str], reward_fn: str | None) -> None:
     reward_fn receives every data_source and decides for itself."""
     unknown = sorted((ds for ds in data_sources if _verifier(ds) is None), key=str)
     if reward_fn is None and unknown:
-        raise RewardError(f"no verifier for data_source {', '.join(map(repr, unknown))}; known: {', '.join(VERIFIERS)}"
-                          f", {AIME_PREFIX}*. For another data source write a function f(data_source, solution_str, "
-                          "ground_truth, extra_info=None) returning a float or a dict with 'score' (and 'acc'), and "
+        raise RewardError(f"no verifier for data_source {', '.join(map(repr, unknown))}; known: "
+                          f"{', '.join(VERIFIERS)}, {AIME_PREFIX}*. For another data source write a "
+                          "function f(data_source, solution_str, ground_truth, extra_info=None) returning a "
+                          "float or a dict with 'score' (and 'acc'), and "
                           'set reward_fn = "path/to/file.py:function_name" in the config.')
 
 
@@ -148,8 +163,11 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=
     """Score one response with the rule verifier for its data_source. ground_truth is one answer or a list of
     accepted answers (a numpy array from parquet too); the best-scoring one counts."""
     check_data_sources({data_source}, reward_fn=None)  # raises for a data_source without a verifier
-    answers = ground_truth.tolist() if hasattr(ground_truth, "tolist") else ground_truth
-    answers = answers if isinstance(answers, (list, tuple)) else [answers]
+    answers = ground_truth
+    if hasattr(answers, "tolist"):  # a numpy array from parquet
+        answers = answers.tolist()
+    if not isinstance(answers, (list, tuple)):  # one answer
+        answers = [answers]
     if not answers:
         raise ValueError("ground_truth is an empty list; a row needs at least one accepted answer")
     verify = _verifier(data_source)
@@ -157,13 +175,17 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=
 
 
 def _import_failure(path: str, e: Exception) -> str:
-    """Where in the file at path an import failed, and why: "line 3 ('import foo'): ModuleNotFoundError: ..."."""
+    """Where in the file at path an import failed, and why: "line 3 ('import foo'): ModuleNotFoundError:
+    ..."."""
     here = os.path.abspath(path)
     if isinstance(e, SyntaxError) and os.path.abspath(e.filename or "") == here:
         line, code = e.lineno, (e.text or "").strip()
     else:  # the innermost frame in the file itself, not in importlib or in what the file imports
         frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == here]
-        line, code = (frames[-1].lineno, frames[-1].line) if frames else (None, "")
+        if frames:
+            line, code = frames[-1].lineno, frames[-1].line
+        else:
+            line, code = None, ""
     where = f"line {line} ({code!r})" if code else f"line {line}"
     return f"{where}: {type(e).__name__}: {e}"
 
@@ -186,8 +208,8 @@ def load_reward_fn(spec: str | None):
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise RewardError(f"reward_fn={spec!r}: importing {path} failed at {_import_failure(path, e)}. Fix the "
-                          "file, or install what it imports in this environment") from e
+        raise RewardError(f"reward_fn={spec!r}: importing {path} failed at {_import_failure(path, e)}. Fix "
+                          "the file, or install what it imports in this environment") from e
     if not hasattr(module, name):
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise RewardError(f"reward_fn={spec!r}: {path!r} has no function {name!r}; it defines {public}")
@@ -198,18 +220,20 @@ def load_reward_fn(spec: str | None):
 
 
 def normalize_result(result, fn_name: str) -> dict:
-    """A reward function's float/int/bool or dict -> {score: float, acc: bool, pred}; anything else is an error."""
+    """A reward function's float/int/bool or dict -> {score: float, acc: bool, pred}; anything else is an
+    error."""
     out = dict(result) if isinstance(result, dict) else {"score": result}
     score = out.get("score")
     if hasattr(score, "item"):
         score = score.item()  # numpy / torch scalars
     if not isinstance(score, (int, float)) or not math.isfinite(score):
-        raise RewardError(f"reward function {fn_name} returned {repr(result)[:200]}; it should return a finite "
-                          "number or a dict with a finite 'score' (optional 'acc', 'pred')")
+        raise RewardError(f"reward function {fn_name} returned {repr(result)[:200]}; it should return a "
+                          "finite number or a dict with a finite 'score' (optional 'acc', 'pred')")
     return {"score": float(score), "acc": bool(out.get("acc", score > 0)), "pred": out.get("pred")}
 
 
-def overlong_penalty(response_length: int, max_response_length: int, buffer_len: int, penalty_factor: float) -> float:
+def overlong_penalty(response_length: int, max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> float:
     """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then linear down to -factor at max."""
     if buffer_len <= 0:
         raise ValueError(f"overlong_buffer_len={buffer_len} must be > 0 (or disable the overlong buffer)")
@@ -257,7 +281,8 @@ def _worker_main(fd: int, spec: str | None, parent_pid: int) -> None:
     # die with the trainer even when it is SIGKILLed: Linux's parent-death signal, plus a watchdog thread for
     # systems without prctl and for a parent that died before prctl ran
     if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # no libc symbols to load (static or unusual builds)
+        # OSError, AttributeError: no libc symbols to load (static or unusual builds)
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     conn = multiprocessing.connection.Connection(fd)
@@ -327,10 +352,11 @@ class RewardScorer:
         self.workers = [_Worker(reward_fn) for _ in range(num_workers)]  # started once, reused every batch
 
     def score(self, items) -> tuple[list[dict], dict]:
-        """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they ran past
-        timeout_s, or because the reward function raised, returned something unusable or killed its worker. One
-        warning line per call with errors; RewardError when every response failed with an error (the function is
-        broken, not the data), never for timeouts (slowness depends on load; its knob is timeout_s)."""
+        """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they
+        ran past timeout_s, or because the reward function raised, returned something unusable or killed its
+        worker. One warning line per call with errors; RewardError when every response failed with an error
+        (the function is broken, not the data), never for timeouts (slowness depends on load; its knob is
+        timeout_s)."""
         if self.workers is None:
             raise RuntimeError("RewardScorer.score() after close()")
         call = _Call(list(items))
@@ -343,14 +369,17 @@ class RewardScorer:
             self._score_in_workers(call)
         n, num_errors = len(call.items), call.stats["num_errors"]
         if num_errors == n > 0:
-            raise RewardError(f"scoring failed for all {n} responses of this call; the first: {call.errors[0]}. "
-                              "Fix the function; RewardScorer(num_workers=0) runs it inline for a debugger")
+            raise RewardError(f"scoring failed for all {n} responses of this call; the first: "
+                              f"{call.errors[0]}. Fix the function; RewardScorer(num_workers=0) runs it "
+                              "inline for a debugger")
         if num_errors:
             print(f"warning: {num_errors} of {n} responses scored 0 because scoring failed; the first: "
                   f"{call.errors[0]}", file=sys.stderr, flush=True)
         return call.results, call.stats
 
     def _score_in_workers(self, call: _Call) -> None:
+        """Score call.items in the workers: chunks of indices go to idle workers, each reports item by item;
+        a worker past its deadline is replaced (its current response scores 0 as a timeout)."""
         n = len(call.items)
         size = max(1, math.ceil(n / (4 * len(self.workers))))  # a few chunks per worker balance load
         todo = deque(deque(range(s, min(s + size, n))) for s in range(0, n, size))
@@ -361,8 +390,10 @@ class RewardScorer:
                         w.chunk, w.deadline = todo.popleft(), time.monotonic() + self.timeout_s
                         try:
                             w.conn.send([call.items[i] for i in w.chunk])
-                        except OSError:  # it died while idle: no response to blame, a fresh worker takes the chunk
+                        except OSError:
+                            # it died while idle: no response to blame, a fresh worker takes the chunk
                             self._replace(w, call, todo, None)
+                # wait for a message from a busy (or starting) worker, or for the earliest deadline
                 busy = [w for w in self.workers if w.chunk or not w.ready]
                 timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
                 readable = multiprocessing.connection.wait([w.conn for w in busy], timeout)
@@ -387,8 +418,8 @@ class RewardScorer:
             rc = w.stop(grace_s=1.0)  # Popen's returncode: -N for signal N
             status = f"exit code {rc}" if rc >= 0 else f"killed by signal {_SIGNAL_NAMES.get(-rc, -rc)}"
             if not w.ready:
-                raise RewardError(f"a reward worker for {self.fn_name} exited during start-up ({status}); its "
-                                  "error is printed above; num_workers=0 runs it inline") from None
+                raise RewardError(f"a reward worker for {self.fn_name} exited during start-up ({status}); "
+                                  "its error is printed above; num_workers=0 runs it inline") from None
             why = f"reward function {self.fn_name} killed its worker process ({status})"
             return self._replace(w, call, todo, "num_errors", why)
         if msg == "ready":
@@ -400,8 +431,10 @@ class RewardScorer:
             call.fail(i, "num_errors", why)
         w.deadline = time.monotonic() + self.timeout_s  # the next response's clock starts now
 
-    def _replace(self, w: _Worker, call: _Call, todo: deque, counter: str | None, why: str | None = None) -> None:
-        """Stop a stuck or dead worker, fail its current response under counter, requeue the rest of its chunk."""
+    def _replace(self, w: _Worker, call: _Call, todo: deque, counter: str | None,
+                 why: str | None = None) -> None:
+        """Stop a stuck or dead worker, fail its current response under counter, requeue the rest of its
+        chunk."""
         w.stop()
         if counter is not None and w.chunk:
             call.fail(w.chunk.popleft(), counter, why)
@@ -416,7 +449,8 @@ class RewardScorer:
             w.proc.kill()
 
     def close(self) -> None:
-        """SIGKILL the workers (they hold nothing worth saving) and reap them; calling it again does nothing."""
+        """SIGKILL the workers (they hold nothing worth saving) and reap them; calling it again does
+        nothing."""
         self.kill()
         workers, self.workers = self.workers or [], None
         for w in workers:

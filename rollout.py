@@ -2,21 +2,23 @@
 Generation (rollout). One interface, two engines:
 
 - TorchEngine: the built-in batched sampler over model.py; runs anywhere (CPU, a GPU without vLLM, an NPU).
-  Prompts are prefilled once, packed; a prompt's n samples copy its KV into their rows of a preallocated cache;
-  each decode step is one batched forward of one token per live row; finished rows are compacted away; on CUDA
-  the decode step is replayed from CUDA graphs (its blocks compiled with compile=True).
-- VLLMEngine: vLLM in the training process ("colocated"): ranks [e * gen_tp, (e + 1) * gen_tp) form engine e,
-  which generates its share of the prompts from weights pushed by the trainer in buckets of full tensors, and
-  sleeps between rollouts to give its memory back to training.
+  Prompts are prefilled once, packed; a prompt's n samples copy its KV into their rows of a preallocated
+  cache; each decode step is one batched forward of one token per live row; finished rows are compacted
+  away; on CUDA the decode step is replayed from CUDA graphs (its blocks compiled with compile=True).
+- VLLMEngine: vLLM in the training process ("colocated"): ranks [e * gen_tp, (e + 1) * gen_tp) form engine
+  e, which generates its share of the prompts from weights pushed by the trainer in buckets of full tensors,
+  and sleeps between rollouts to give its memory back to training.
 
-The interface: generate(prompts, params, version) -> per prompt, n Completions; load_weights(buckets, version);
-wake_up(tags); sleep(). `weights_version` is the trainer version the engine holds (None: no weights); generating
-with another version than the caller's raises StaleWeightsError.
+The interface: generate(prompts, params, version) -> per prompt, n Completions; load_weights(buckets,
+version); wake_up(tags); sleep(). `weights_version` is the trainer version the engine holds (None: no
+weights); generating with another version than the caller's raises StaleWeightsError.
 
-Log-probs are the sampled tokens' under log_softmax(logits / temperature), as the trainer computes them. With
-top_p < 1 or top_k, vLLM's ("processed_logprobs") are renormalized over the kept tokens and the built-in engine's
-are not, so they differ by the log of the kept mass (the training defaults top_p=1, top_k=-1 make them equal).
+Log-probs are the sampled tokens' under log_softmax(logits / temperature), as the trainer computes them.
+With top_p < 1 or top_k, vLLM's ("processed_logprobs") are renormalized over the kept tokens and the
+built-in engine's are not, so they differ by the log of the kept mass (the training defaults top_p=1,
+top_k=-1 make them equal).
 """
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -38,7 +40,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # EOS ids; the stop token is kept in the response
     ignore_eos: bool = False  # always generate max_tokens (benchmarks)
     seed: int | None = None
-    logprobs: bool = True  # the sampled tokens' log-probs (the built-in engine returns them always: they are free)
+    # the sampled tokens' log-probs (the built-in engine returns them always: they are free)
+    logprobs: bool = True
 
 
 @dataclass
@@ -46,7 +49,8 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" (a stop token was sampled) or "length" (max_tokens)
-    routed_experts: torch.Tensor | None = None  # [prompt + response - 1 tokens, layers, top_k]: vLLM's MoE routing
+    # vLLM's MoE routing, [prompt + response - 1 tokens, layers, top_k]
+    routed_experts: torch.Tensor | None = None
 
 
 # -----------------------------------------------------------------------------
@@ -70,7 +74,8 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generato
         drop = probs.cumsum(-1) - probs > top_p  # keep a token if the mass before it is < top_p
         filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(filtered, -1)
-    # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) samples from p (graph- and seed-friendly)
+    # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) samples from p (graph- and
+    # seed-friendly)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     tok = (probs / noise).argmax(-1)
     return tok, logp_all.gather(-1, tok[:, None])[:, 0]
@@ -80,12 +85,13 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generato
 # the built-in engine
 
 class TorchEngine:
-    """Batched generation over a model.Transformer, the trainer's own (shares_weights) or, under FSDP / TP, a full
-    bf16 copy filled by load_weights before every rollout. The KV cache (at most max_num_seqs rows of
-    cache_positions(longest prompt + max_tokens)) is allocated by the first generate that needs it, reused while
-    large enough, freed by sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA graphs
-    captured per (batch-size bucket, cache span). compile: torch.compile the decoder blocks (the engine's own copy),
-    so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch most of those kernels."""
+    """Batched generation over a model.Transformer, the trainer's own (shares_weights) or, under FSDP / TP, a
+    full bf16 copy filled by load_weights before every rollout. The KV cache (at most max_num_seqs rows of
+    cache_positions(longest prompt + max_tokens)) is allocated by the first generate that needs it, reused
+    while large enough, freed by sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA
+    graphs captured per (batch-size bucket, cache span). compile: torch.compile the decoder blocks (the
+    engine's own copy), so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch most of those
+    kernels."""
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True, compile: bool = False):
         self.model = model
@@ -93,15 +99,20 @@ class TorchEngine:
             parallel.apply_compile(model, dynamic=True)
         self.max_num_seqs = max_num_seqs
         self.device = model.output_weight.device
-        self.use_cuda_graph = (self.device.type == "cuda") if use_cuda_graph is None else use_cuda_graph
+        if use_cuda_graph is None:
+            use_cuda_graph = self.device.type == "cuda"
+        self.use_cuda_graph = use_cuda_graph
         self.shares_weights = shares_weights  # the trainer's own tensors: every update reaches us, no push
         self.weights_version = 0
-        self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # graphs live in one memory pool
+        self._drop_cache()
 
     # the engine interface ------------------------------------------------------
     def load_weights(self, buckets, version: int) -> int:
-        """Copy buckets of (name, tensor), in the model's names or HF's (one per expert), into it -> bytes copied."""
-        params, targets, nbytes = dict(self.model.named_parameters()), None, 0
+        """Copy buckets of (name, tensor), in the model's names or HF's (one per expert), into it -> bytes
+        copied."""
+        params = dict(self.model.named_parameters())
+        targets = None  # HF name -> (parameter, index), built when the first HF name comes
+        nbytes = 0
         with torch.no_grad():
             for bucket in buckets:
                 for name, t in bucket:
@@ -116,7 +127,7 @@ class TorchEngine:
 
     def sleep(self):
         """Free the KV cache and graphs; the weights stay (they are the trainer's, or a copy we keep)."""
-        self._cache, self._io, self._graphs, self._pool = None, None, {}, None
+        self._drop_cache()
         if self.device.type != "cpu":
             torch.get_device_module(self.device.type).empty_cache()
 
@@ -137,16 +148,24 @@ class TorchEngine:
         return out
 
     # internals -----------------------------------------------------------------
+    def _drop_cache(self):
+        """Forget the KV cache, the CUDA graphs' inputs and output, and the graphs (which live in one memory
+        pool)."""
+        self._cache, self._io, self._graphs, self._pool = None, None, {}, None
+
     def _alloc_cache(self, rows: int, max_len: int):
-        """Per layer (k, v) [rows, kv_heads, >= max_len, head_dim], reused while large enough; with CUDA graphs also
-        their inputs (tokens, positions) and output (logits), shared by all graphs."""
+        """Per layer (k, v) [rows, kv_heads, >= max_len, head_dim], reused while large enough; with CUDA
+        graphs also their inputs (tokens, positions) and output (logits), shared by all graphs."""
         cfg, w, c = self.model.config, self.model.output_weight, self._cache
-        if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:
+        if c is not None and c[0][0].shape[0] >= rows and c[0][0].shape[2] >= max_len:  # rows, positions
             return c
         shape = (rows, cfg.num_key_value_heads, cache_positions(max_len), cfg.head_dim)
-        self._cache, self._io, self._graphs, self._pool = None, None, {}, None  # old graphs read the old cache
-        self._cache = [(torch.zeros(shape, dtype=w.dtype, device=self.device),
-                        torch.zeros(shape, dtype=w.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        self._drop_cache()  # the old graphs read the old cache
+        cache = []
+        for _ in range(cfg.num_hidden_layers):
+            cache.append((torch.zeros(shape, dtype=w.dtype, device=self.device),
+                          torch.zeros(shape, dtype=w.dtype, device=self.device)))
+        self._cache = cache
         if self.use_cuda_graph:
             self._io = (torch.zeros(rows, dtype=torch.long, device=self.device),
                         torch.zeros(rows, dtype=torch.long, device=self.device),
@@ -158,7 +177,8 @@ class TorchEngine:
         n = params.n
         ids, pos, batch = pack_sequences(prompts, self.device)
         batch.collect_kv = []
-        logits = self.model(ids, pos, batch, logits_at=batch.cu_seqlens[1:].long() - 1)  # [P, vocab], last tokens
+        # logits of each prompt's last token only: [prompts, vocab]
+        logits = self.model(ids, pos, batch, logits_at=batch.cu_seqlens[1:].long() - 1)
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         Lp = int(lens.max())
         # token index of (row, t) in the packed prompt; rows of a prompt are adjacent
@@ -168,7 +188,8 @@ class TorchEngine:
         for (k, v), (k_cache, v_cache) in zip(batch.collect_kv, cache):
             k_cache[:rows, :, :Lp] = k[idx].transpose(1, 2)  # positions past a prompt's end are masked later
             v_cache[:rows, :, :Lp] = v[idx].transpose(1, 2)
-        tok, logp = sample_tokens(logits.repeat_interleave(n, 0), params.temperature, params.top_p, params.top_k, g)
+        tok, logp = sample_tokens(logits.repeat_interleave(n, 0), params.temperature, params.top_p,
+                                  params.top_k, g)
         return tok, logp, lens.repeat_interleave(n)
 
     def _decode(self, tokens, cache_pos, cache, cache_len: int):
@@ -187,7 +208,8 @@ class TorchEngine:
         return logits[:rows]
 
     def _capture(self, bucket: int, span: int, cache):
-        """A CUDA graph of the decode step for the first `bucket` rows, attending over the first `span` positions."""
+        """A CUDA graph of the decode step for the first `bucket` rows, attending over the first `span`
+        positions."""
         t_in, p_in, logits = (x[:bucket] for x in self._io)
         # warm-up and capture really run: they write slot span - 1 of every row, which no live row holds yet
         p_in.fill_(span - 1)
@@ -208,11 +230,20 @@ class TorchEngine:
         return graph
 
     def _generate_wave(self, prompts, params, g):
+        """One wave of whole prompts -> per prompt, params.n completions."""
         n, T = params.n, params.max_tokens
         rows, longest = len(prompts) * n, max(len(p) for p in prompts)
-        cache = self._alloc_cache(rows if not self.use_cuda_graph else self.max_num_seqs, longest + T)
+        if self.use_cuda_graph:
+            cache_rows = self.max_num_seqs  # the graphs' batch buckets go up to max_num_seqs rows
+        else:
+            cache_rows = rows
+        cache = self._alloc_cache(cache_rows, longest + T)
         tok, logp, cache_pos = self._prefill(prompts, params, cache, g)
-        stop = torch.tensor([-1] if params.ignore_eos else sorted(set(params.stop_token_ids)), device=self.device)
+        if params.ignore_eos:
+            stop_ids = [-1]  # no token is -1: every row runs to max_tokens
+        else:
+            stop_ids = sorted(set(params.stop_token_ids))
+        stop = torch.tensor(stop_ids, device=self.device)
         out_tok = torch.full((rows, T), -1, dtype=torch.long, device=self.device)
         out_logp = torch.zeros(rows, T, device=self.device)
         alive = torch.arange(rows, device=self.device)  # original row of each live cache row
@@ -253,33 +284,38 @@ def _buckets(max_num_seqs: int) -> list[int]:
 
 
 def cache_positions(max_len: int) -> int:
-    """KV-cache positions per row for sequences of up to max_len tokens: the positions a row reads (max_len - 1)
-    rounded up to a multiple of 256, so that every span a decode graph attends over is one (unaligned spans ran much
-    slower on the H200), plus the last slot."""
+    """KV-cache positions per row for sequences of up to max_len tokens: the positions a row reads
+    (max_len - 1) rounded up to a multiple of 256, so that every span a decode graph attends over is one (the
+    decode step is slower over a span that is not a multiple of 256; BENCHMARKS.md has the figures), plus the
+    last slot."""
     return -(-(max_len - 1) // 256) * 256 + 1
 
 
 def _span(cache_len: int, max_len: int) -> int:
-    """Cache positions a decode graph attends over: cache_len rounded up to a multiple of 256 * ceil(max_len / 4096),
-    so at most 16 graphs per batch bucket, each over a multiple of 256 positions when max_len is one."""
+    """Cache positions a decode graph attends over: cache_len rounded up to a multiple of
+    256 * ceil(max_len / 4096), so at most 16 graphs per batch bucket, each over a multiple of 256 positions
+    when max_len is one."""
     step = 256 * -(-max_len // 4096)
     return min(max_len, -(-cache_len // step) * step)
 
 
 def _decode_step(model, tokens, cache_pos, kv, cache_len: int):
-    """One token per row, written at cache_pos, attending over kv[:rows, :, :cache_len] -> logits [rows, vocab]."""
+    """One token per row, written at cache_pos, attending over kv[:rows, :, :cache_len] -> logits [rows,
+    vocab]."""
     batch = AttnBatch(kv_cache=kv, cache_pos=cache_pos, cache_len=cache_len)
     return model(tokens[:, None], cache_pos[:, None], batch)[:, 0]
 
 
 class StaleWeightsError(RuntimeError):
-    pass
+    """A generate call with weights of another version than the caller expects."""
 
 
 def check_version(held, expected):
+    """StaleWeightsError unless the engine holds version `expected` (None: the caller does not check)."""
     if expected is not None and held != expected:
-        raise StaleWeightsError(f"the rollout engine holds weights version {held} but the trainer is at {expected}: "
-                                "generating now would train on samples from other weights (push the weights first)")
+        raise StaleWeightsError(f"the rollout engine holds weights version {held} but the trainer is at "
+                                f"{expected}: generating now would train on samples from other weights (push "
+                                "the weights first)")
 
 
 # -----------------------------------------------------------------------------
@@ -294,7 +330,8 @@ def engine_share(num_prompts: int, world_size: int, gen_tp: int, rank: int) -> t
 
 
 def engine_results(per_rank: list, gen_tp: int) -> list:
-    """From every rank's result (rank order), one per engine (its TP rank 0), in engine order = prompt order."""
+    """From every rank's result (rank order), one per engine (its TP rank 0), in engine order = prompt
+    order."""
     return per_rank[::gen_tp]
 
 
@@ -317,8 +354,8 @@ def free_device_memory() -> int:
 
 
 class VLLMEngine:
-    """vllm.LLM in this process, one per TP group of gen_tp ranks, on torchrun's process group; built before the
-    trainer allocates its memory, with dummy weights that the trainer replaces before the first generate.
+    """vllm.LLM in this process, one per TP group of gen_tp ranks, on torchrun's process group; built before
+    the trainer allocates its memory, with dummy weights that the trainer replaces before the first generate.
     Per rollout (sleep level 2 drops weights and KV cache, so every wake needs a full push):
         wake_up(["weights"]) -> load_weights(buckets) -> wake_up(["kv_cache"]) -> generate -> sleep()
     """
@@ -326,8 +363,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, gen_tp: int = 1, gpu_memory_utilization: float = 0.5,
                  max_model_len: int, max_num_seqs: int = 256, enforce_eager: bool = False,
-                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 dtype: str = "bfloat16", engine_kwargs: dict | None = None):
+                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int | None = None,
+                 seed: int = 0, dtype: str = "bfloat16", engine_kwargs: dict | None = None):
         kw = dict(model=model_path, tensor_parallel_size=gen_tp, enable_sleep_mode=True,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                   enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len,
@@ -339,11 +376,13 @@ class VLLMEngine:
             kw["max_num_batched_tokens"] = max_num_batched_tokens
         kw.update(engine_kwargs or {})
         config = load_config(model_path)
-        limit, self.moe = config.max_position_embeddings, config.num_experts > 0  # vLLM refuses a longer context
+        self.moe = config.num_experts > 0
+        limit = config.max_position_embeddings  # vLLM refuses a longer context
         if kw["max_model_len"] > limit:
-            raise ValueError(f"max_model_len={kw['max_model_len']} (max_prompt_length + max_response_length) is above "
-                             f"max_position_embeddings={limit} in {os.path.join(model_path, 'config.json')}: lower "
-                             f"max_prompt_length or max_response_length so that their sum is at most {limit}")
+            raise ValueError(f"max_model_len={kw['max_model_len']} (max_prompt_length + max_response_length) "
+                             f"is above max_position_embeddings={limit} in "
+                             f"{os.path.join(model_path, 'config.json')}: lower max_prompt_length or "
+                             f"max_response_length so that their sum is at most {limit}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
         from vllm import LLM
         _ensure_process_group()
@@ -352,7 +391,8 @@ class VLLMEngine:
         self.awake = {"weights", "kv_cache"}
         free_before = free_device_memory()
         self.sleep()
-        self.awake_bytes = free_device_memory() - free_before  # weights + KV cache: what waking must find free
+        # weights + KV cache: what waking up must find free
+        self.awake_bytes = free_device_memory() - free_before
 
     def sleep(self):
         if self.awake:
@@ -365,17 +405,17 @@ class VLLMEngine:
             return
         free = free_device_memory()
         if not self.awake and free < 0.95 * self.awake_bytes:  # checked before the first tag of a cycle wakes
-            raise RuntimeError(f"vLLM needs ~{self.awake_bytes / 2**30:.1f} GiB back (weights + KV cache) to wake up "
-                               f"but only {free / 2**30:.1f} GiB are free next to training: lower "
+            raise RuntimeError(f"vLLM needs ~{self.awake_bytes / 2**30:.1f} GiB back (weights + KV cache) to "
+                               f"wake up but only {free / 2**30:.1f} GiB are free next to training: lower "
                                "gpu_memory_utilization, or turn on param_offload / optimizer_offload")
         self.llm.wake_up(tags=tags)
         self.awake.update(tags)
 
     def load_weights(self, buckets, version: int) -> int:
-        """Stream buckets of (name, full tensor) into vLLM in HF's names (hf_tensors: views, no copy), one bucket
-        alive at a time; vLLM fuses and slices them itself. A MoE goes through vLLM's layerwise reload
-        (model_runner.reload_weights), which redoes the expert layouts some MoE kernels build after loading; raw
-        load_weights would leave those stale. -> bytes pushed."""
+        """Stream buckets of (name, full tensor) into vLLM in HF's names (hf_tensors: views, no copy), one
+        bucket alive at a time; vLLM fuses and slices them itself. A MoE goes through vLLM's layerwise reload
+        (model_runner.reload_weights), which redoes the expert layouts some MoE kernels build after loading;
+        raw load_weights would leave those stale. -> bytes pushed."""
         self.wake_up(["weights"])
         nbytes = 0
 
@@ -383,25 +423,29 @@ class VLLMEngine:
             nonlocal nbytes
             for bucket in buckets:
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                yield from (pair for name, t in bucket for pair in hf_tensors(name, t))
-        self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=stream())
-                                if self.moe else worker.model_runner.model.load_weights(stream()))
+                for name, t in bucket:
+                    yield from hf_tensors(name, t)
+        self.llm.collective_rpc(functools.partial(_load_weights_on_worker, weights=stream, moe=self.moe))
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
         self.weights_version = version
         return nbytes
 
     def requests(self, prompts: list[list[int]], params: SamplingParams):
-        """vLLM's (prompts, sampling params): n requests of one sample per prompt in order (the prefix cache shares
-        the prompt's KV), seeded seed + index alike on every TP rank; log-probs as flat lists (not a dict and a
-        Logprob object per token)."""
+        """vLLM's (prompts, sampling params): n requests of one sample per prompt in order (the prefix cache
+        shares the prompt's KV), seeded seed + index alike on every TP rank; log-probs as flat lists (not a
+        dict and a Logprob object per token)."""
         from vllm import SamplingParams as VLLMSamplingParams
-        sampling = [VLLMSamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-            max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            detokenize=False, logprobs=0 if params.logprobs else None, flat_logprobs=True,
-            seed=None if params.seed is None else params.seed + i * params.n + j)
-            for i in range(len(prompts)) for j in range(params.n)]
-        return [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)], sampling
+        sampling = []
+        for i in range(len(prompts)):
+            for j in range(params.n):
+                seed = None if params.seed is None else params.seed + i * params.n + j
+                sampling.append(VLLMSamplingParams(
+                    n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+                    max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+                    ignore_eos=params.ignore_eos, detokenize=False, logprobs=0 if params.logprobs else None,
+                    flat_logprobs=True, seed=seed))
+        prompt_requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)]
+        return prompt_requests, sampling
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
                  ) -> list[list[Completion]]:
@@ -410,15 +454,26 @@ class VLLMEngine:
         return vllm_completions(self.llm.generate(*self.requests(prompts, params), use_tqdm=False), params)
 
 
+def _load_weights_on_worker(worker, weights, moe: bool):
+    """Run by vLLM's worker (collective_rpc): load weights(), an iterator of (HF name, tensor), into its
+    model."""
+    if moe:
+        # layerwise reload: redoes the expert layouts some MoE kernels build after loading
+        worker.model_runner.reload_weights(weights_iterator=weights())
+    else:
+        worker.model_runner.model.load_weights(weights())
+
+
 def vllm_completions(outs, params: SamplingParams) -> list[list[Completion]]:
     """vLLM's RequestOutputs of VLLMEngine.requests -> n Completions per prompt."""
     flat = []
     for o in outs:
         c = o.outputs[0]
         routed = getattr(c, "routed_experts", None)  # with enable_return_routed_experts (router replay)
-        if routed is not None and not routed.any():  # top-k ids are distinct, so a recorded row is never all 0
-            raise RuntimeError("vLLM returned no routing (all expert ids 0): its MoE kernel does not record it; "
-                               "use the Triton MoE backend, or router_replay=False")
+        # top-k expert ids are distinct, so a recorded row is never all 0
+        if routed is not None and not routed.any():
+            raise RuntimeError("vLLM returned no routing (all expert ids 0): its MoE kernel does not record "
+                               "it; use the Triton MoE backend, or router_replay=False")
         flat.append(Completion(token_ids=list(c.token_ids),
                                logprobs=None if c.logprobs is None else _sampled_logprobs(c.logprobs),
                                finish_reason="stop" if c.finish_reason == "stop" else "length",
@@ -432,7 +487,8 @@ def _sampled_logprobs(lp) -> list[float]:
 
 
 def resolve_engine(kind: str, device_type: str) -> str:
-    """rollout_engine = "auto" (vLLM on CUDA when it is installed, else the built-in engine) | "torch" | "vllm"."""
+    """rollout_engine = "auto" (vLLM on CUDA when it is installed, else the built-in engine) | "torch" |
+    "vllm"."""
     if kind not in ("auto", "torch", "vllm"):
         raise ValueError(f"rollout_engine={kind!r}; use 'auto', 'torch' or 'vllm'")
     has_vllm = importlib.util.find_spec("vllm") is not None
