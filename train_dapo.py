@@ -1,19 +1,19 @@
 """
-DAPO / GRPO training: the Config, the algorithm and the loop, in the order of one step. Beside it, config.py reads
-and checks a Config, checkpoint.py saves and resumes, plan.py plans memory (--dry_run).
+DAPO / GRPO training: the Config, the algorithm and the loop, in the order of one step. Beside it, config.py
+reads and checks a Config, checkpoint.py saves and resumes, plan.py plans memory (--dry_run).
 
-    python train_dapo.py configs/tiny.py                         # CPU demo: learns arithmetic in minutes
-    python train_dapo.py configs/tiny.py --lr=3e-4 --n=4         # override any Config field
-    python train_dapo.py configs/qwen32b.py --dry_run            # check the config, print batch arithmetic + memory
-    python train_dapo.py --plot out/tiny                         # PNG of reward, accuracy, length, entropy
-    python train_dapo.py --plot out/a out/b --x=samples          # an ablation: one line per run
+    python train_dapo.py configs/tiny.py                  # CPU demo: learns arithmetic in minutes
+    python train_dapo.py configs/tiny.py --lr=3e-4 --n=4  # override any Config field
+    python train_dapo.py configs/qwen32b.py --dry_run     # check the config, print batch arithmetic + memory
+    python train_dapo.py --plot out/tiny                  # PNG of reward, accuracy, length, entropy
+    python train_dapo.py --plot out/a out/b --x=samples   # an ablation: one line per run
     torchrun --nproc-per-node 8 train_dapo.py configs/qwen2.5_7b_dapo.py
 
-The algorithm is DAPO (Yu et al. 2025): GRPO's group-normalised advantages with no critic, the clipped policy loss
-with a higher upper clip (clip-higher) and a dual clip for negative advantages, a token-mean loss over the whole
-mini-batch, dynamic sampling (only groups whose reward varies are trained on) and overlong reward shaping.
-KL terms, entropy bonus and truncated importance sampling are there as knobs; there is no critic and no reward
-model. ALGORITHM.md states every formula and where nanodapo differs from verl.
+The algorithm is DAPO (Yu et al. 2025): GRPO's group-normalised advantages with no critic, the clipped policy
+loss with a higher upper clip (clip-higher) and a dual clip for negative advantages, a token-mean loss over
+the whole mini-batch, dynamic sampling (only groups whose reward varies are trained on) and overlong reward
+shaping. KL terms, entropy bonus and truncated importance sampling are there as knobs; there is no critic and
+no reward model. ALGORITHM.md states every formula and where nanodapo differs from verl.
 
 One training step, in the order this file reads:
  1. sample gen_batch_size prompts              5. group-normalised advantages
@@ -55,10 +55,11 @@ from rollout import SamplingParams, TorchEngine, VLLMEngine, engine_results, eng
 class Config:
     # model and data
     model_path: str = "demo/model"  # HF model directory (config.json + safetensors + tokenizer files)
-    train_files: list[str] = field(default_factory=lambda: ["demo/data/train.parquet"])  # parquet, verl schema
+    train_files: list[str] = field(default_factory=lambda: ["demo/data/train.parquet"])  # verl-schema parquet
     val_files: list[str] = field(default_factory=lambda: ["demo/data/val.parquet"])  # [] = no validation
     prompt_key: str = "prompt"  # column holding the chat messages
-    chat_template_kwargs: dict = field(default_factory=dict)  # template variables, e.g. {"enable_thinking": False}
+    # chat template variables, e.g. {"enable_thinking": False}
+    chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_length: int = 512  # templated prompt tokens
     max_response_length: int = 1024  # generated tokens per response
     truncation: str = "error"  # overlong prompt: error | left | right | middle
@@ -68,7 +69,7 @@ class Config:
     shuffle: bool = True  # shuffle train prompts each epoch (seeded)
     # batch sizes (ALGORITHM.md "Batch vocabulary")
     train_batch_size: int = 32  # prompt groups per training step
-    gen_batch_size: int = 32  # prompts per gen batch (dynamic sampling generates gen batches until enough groups)
+    gen_batch_size: int = 32  # prompts per gen batch (dynamic sampling runs gen batches until enough groups)
     n: int = 8  # responses per prompt (group size)
     ppo_mini_batch_size: int = 32  # prompts per optimizer step
     ppo_micro_batch_size_per_gpu: int = 64  # trajectories per forward/backward (ignored with use_dynamic_bsz)
@@ -81,11 +82,12 @@ class Config:
     clip_ratio_low: float = 0.2  # eps_low: ratio >= 1 - eps_low
     clip_ratio_high: float = 0.28  # eps_high (clip-higher): ratio <= 1 + eps_high
     clip_ratio_c: float = 10.0  # dual-clip bound for negative advantages (> 1)
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    loss_agg_mode: str = "token-mean"
     norm_adv_by_std: bool = True  # GRPO: divide by group std; False = Dr.GRPO
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
-    router_aux_loss: bool = False  # MoE: add the router's load-balancing loss x router_aux_loss_coef (config.json)
-    router_replay: bool = False  # MoE + vLLM: the trainer's forwards route each token to the experts vLLM chose
+    router_aux_loss: bool = False  # MoE: add the load-balancing loss x router_aux_loss_coef (config.json)
+    router_replay: bool = False  # MoE + vLLM: trainer forwards route each token to the experts vLLM chose
     # KL (a reference model is built only when one of these is on)
     use_kl_loss: bool = False  # add kl_loss_coef * KL(policy || ref) to the loss (GRPO)
     kl_loss_coef: float = 0.001
@@ -111,8 +113,9 @@ class Config:
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0  # max global grad norm (> 0; float("inf") = no clipping); a non-finite norm skips the update
-    gradient_checkpointing: bool | int | str = True  # all blocks, none, the first N, or "auto" (fewest that fit)
+    # a non-finite grad norm skips the update
+    grad_clip: float = 1.0  # max global grad norm (> 0; float("inf") = no clipping)
+    gradient_checkpointing: bool | int | str = True  # all blocks, none, first N, or "auto" (fewest that fit)
     logprob_chunk: int = 1024  # tokens per chunk of the fp32 log-prob/entropy computation
     # sampling
     temperature: float = 1.0
@@ -127,25 +130,27 @@ class Config:
     max_num_seqs: int = 256  # sequences an engine decodes at once
     weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size
     free_cache_engine: bool = True  # the engine frees its KV cache (vLLM: and weights) after each rollout
-    calculate_log_probs: bool = False  # vLLM's log-prob of each sampled token, for rollout/logp_mismatch (costly)
+    calculate_log_probs: bool = False  # vLLM's sampled-token log-probs, for rollout/logp_mismatch (costly)
     # vLLM engine (rollout_engine="vllm"): world_size / gen_tp engines, colocated with training
     gen_tp: int = 1  # tensor parallel size of one engine (verl: rollout.tensor_model_parallel_size)
     gpu_memory_utilization: float = 0.5  # fraction of the GPU for vLLM's weights + KV cache while it is awake
     enforce_eager: bool = False  # no CUDA graphs / torch.compile in vLLM (fast start, slower decode)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 0  # vLLM's token budget per engine step (0 = vLLM's default)
-    vllm_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as is, e.g. {"cudagraph_capture_sizes": [..]}
-    tis_imp_ratio_cap: float = -1.0  # truncated IS: token losses x min(p_old / p_rollout, cap); -1 = off (async: 2.0)
-    rollout_rs_threshold: float = -1.0  # token rejection: drop tokens whose p_old / p_rollout is outside [1/t, t]
+    # passed to vllm.LLM as is, e.g. {"cudagraph_capture_sizes": [..]}
+    vllm_kwargs: dict = field(default_factory=dict)
+    # truncated importance sampling: token losses x min(p_old / p_rollout, cap)
+    tis_imp_ratio_cap: float = -1.0  # -1 = off (async mode: 2.0)
+    rollout_rs_threshold: float = -1.0  # token rejection: drop tokens with p_old / p_rollout outside [1/t, t]
     # asynchronous rollout (README "Asynchronous mode")
-    rollout_gpus: int = 0  # 0 = colocated; N > 0: the last N torchrun ranks only generate, the others only train
-    max_staleness: int = 1  # async: step s trains on trajectories generated by weights of version >= s - max_staleness
-    # parallelism (torchrun sets the world size; dp = world_size / (tp_size * sp_size) replicas see different data;
-    # FSDP2 shards parameters, gradients and optimizer states over dp x sp)
+    rollout_gpus: int = 0  # 0 = colocated; N: the last N torchrun ranks only generate, the others only train
+    max_staleness: int = 1  # async: step s trains on trajectories from policy versions >= s - max_staleness
+    # parallelism (torchrun sets the world size; dp = world_size / (tp_size * sp_size) replicas see different
+    # data; FSDP2 shards parameters, gradients and optimizer states over dp x sp)
     tp_size: int = 1  # tensor parallel degree for training
     sp_size: int = 1  # Ulysses sequence parallel degree: ranks that split each micro-batch's tokens
     ep_size: int = 1  # expert parallelism (MoE): ranks of the dp x sp ranks that split each layer's experts
-    compile: bool = False  # torch.compile each decoder block, the built-in engine's copy too (GPU or multi-rank runs)
+    compile: bool = False  # torch.compile decoder blocks, the built-in engine's too (GPU or multi-rank runs)
     param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
     optimizer_offload: bool = False  # same policy as param_offload: FSDP2 offloads all three together
     # schedule
@@ -158,9 +163,9 @@ class Config:
     # run
     out_dir: str = "out/run"  # metrics.jsonl, checkpoints/, val generations, plot
     resume: str = "auto"  # auto (latest complete checkpoint in out_dir) | disable | path/to/checkpoint
-    keep_last: int = 0  # keep only the newest N checkpoints (0 = keep all); pruned after a new one is complete
+    keep_last: int = 0  # keep only the newest N checkpoints (0 = all); pruned after a new one is complete
     max_consecutive_skips: int = 5  # stop the run after this many non-finite updates in a row
-    logp_mismatch_warn: float = 0.05  # warn above this mean |rollout - trainer| log-prob (stale weights give ~0.1)
+    logp_mismatch_warn: float = 0.05  # warn above this mean |rollout - trainer| logp (stale weights: ~0.1)
     seed: int = 0
     device: str = "auto"  # auto | cuda | npu | cpu
     cpu_threads: int = 0  # torch intra-op threads on CPU (0 = torch's default; 1 is fastest for tiny models)
@@ -180,7 +185,8 @@ class RunError(RuntimeError):
 # the algorithm: small pure functions (tensors are [trajectories, response tokens] unless noted)
 
 def compute_grpo_advantages(scores, group_ids, norm_by_std: bool = True, eps: float = 1e-6):
-    """A_i = (R_i - mean_group) / (std_group + eps), std unbiased; a group of one has mean 0, std 1. [T] -> [T]"""
+    """A_i = (R_i - mean_group) / (std_group + eps), std unbiased; a group of one has mean 0, std 1.
+    [T] -> [T]"""
     scores = scores.double()
     adv = torch.empty_like(scores)
     for g in torch.unique(group_ids):
@@ -214,10 +220,11 @@ def token_kl(logp, ref_logp, kind: str):
     raise ValueError(f"unknown KL type {kind!r}; choose one of {KL_TYPES}")
 
 
-def agg_loss(loss_mat, mask, mode: str, max_response_length: int | None = None, *, count: float | None = None):
-    """Reduce a per-token loss to a scalar (ALGORITHM.md "Aggregation"). count: what the mode divides by, tokens
-    (token-mean) or sequences (seq-* modes); None = this batch's own. The update passes the whole mini-batch's
-    count over all ranks, so the micro-batches' losses add up to the mini-batch's."""
+def agg_loss(loss_mat, mask, mode: str, max_response_length: int | None = None, *,
+             count: float | None = None):
+    """Reduce a per-token loss to a scalar (ALGORITHM.md "Aggregation"). count: what the mode divides by,
+    tokens (token-mean) or sequences (seq-* modes); None = this batch's own. The update passes the whole
+    mini-batch's count over all ranks, so the micro-batches' losses add up to the mini-batch's."""
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
         return (loss_mat * mask).sum() / (mask.sum().clamp(min=1) if count is None else count)
@@ -272,17 +279,20 @@ def truncated_is_weight(old_logp, rollout_logp, cap: float):
 
 
 def rollout_rejection_mask(old_logp, rollout_logp, threshold: float):
-    """Token rejection (verl's rollout_rs="token"): 1 where p_old / p_rollout is in [1 / threshold, threshold]."""
+    """Token rejection (verl's rollout_rs="token"):
+    1 where p_old / p_rollout is in [1 / threshold, threshold]."""
     return ((old_logp - rollout_logp).abs() <= math.log(threshold)).float()
 
 
 def tis_cap(cfg) -> float:
-    """tis_imp_ratio_cap; in async mode, left off (-1), ASYNC_TIS_CAP: stale rollouts always need the correction."""
+    """tis_imp_ratio_cap; in async mode, left off (-1), ASYNC_TIS_CAP:
+    stale rollouts always need the correction."""
     return ASYNC_TIS_CAP if cfg.rollout_gpus and cfg.tis_imp_ratio_cap < 0 else cfg.tis_imp_ratio_cap
 
 
 def logp_mismatch(trainer_logp, rollout_logp, mask):
-    """Mean |rollout log-prob - trainer log-prob| over response tokens: how far the engine's policy is from ours."""
+    """Mean |rollout log-prob - trainer log-prob| over response tokens:
+    how far the engine's policy is from ours."""
     return token_mean((trainer_logp - rollout_logp).abs(), mask)
 
 
@@ -301,13 +311,15 @@ class Trajectories:
     acc: torch.Tensor  # [T] verifier accuracy
     score: torch.Tensor  # [T] verifier score
     seq_reward: torch.Tensor  # [T] score + overlong penalty
-    seq_final_reward: torch.Tensor | None = None  # [T] seq_reward - kl_coef * KL (use_kl_in_reward), else seq_reward
+    # [T] seq_reward - kl_coef * KL (use_kl_in_reward), else seq_reward
+    seq_final_reward: torch.Tensor | None = None
     versions: torch.Tensor | None = None  # [T] the policy version whose weights generated each trajectory
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     adv: torch.Tensor | None = None
     response_texts: list[str] | None = None  # decoded responses, as scored
-    answer_found: torch.Tensor | None = None  # [T] bool: the built-in verifier parsed an answer (None: a reward_fn)
+    # [T] bool: the built-in verifier parsed an answer (None: a reward_fn)
+    answer_found: torch.Tensor | None = None
     routed_experts: list | None = None  # router replay: per trajectory [prompt + response - 1, layers, top_k]
 
     def __len__(self):
@@ -353,19 +365,22 @@ def sync_weights(engine, model, version: int, cfg: Config, dtype: torch.dtype):
     if engine.shares_weights:  # the built-in engine on the trainer's own module: nothing to copy
         engine.weights_version = version
     elif engine.weights_version != version:
-        engine.load_weights(parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=dtype), version)
+        engine.load_weights(
+            parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=dtype), version)
 
 
 def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: SamplingParams, cfg: Config, *,
                        group_offset: int, version: int, timing: dict) -> tuple[Trajectories, dict]:
-    """Generate params.n responses per prompt on this engine and score them -> (Trajectories, reward counts)."""
+    """Generate params.n responses per prompt on this engine and score them
+    -> (Trajectories, reward counts)."""
     with timed("gen", timing):
         outputs = engine.generate([p["prompt_ids"] for p in prompts], params, version=version)
     comps = [(p, c) for p, cs in zip(prompts, outputs) for c in cs]
     with timed("reward", timing):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in comps]
         eos = tokenizer.special.get("eos_token")
-        texts = [t[:-len(eos)] if eos and t.endswith(eos) else t for t in texts]  # a trailing EOS is not the answer
+        # a trailing EOS is not the answer
+        texts = [t[:-len(eos)] if eos and t.endswith(eos) else t for t in texts]
         results, counts = scorer.score([(p["data_source"], t, p["ground_truth"], p["extra_info"])
                                         for (p, _), t in zip(comps, texts)])
     rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
@@ -378,22 +393,25 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
     if cfg.reward_fn is None:
         answer_found = torch.tensor([r["pred"] is not None for r in results])
     overlong = [reward.overlong_penalty(len(c.token_ids), cfg.max_response_length, cfg.overlong_buffer_len,
-                                        cfg.overlong_penalty_factor) if cfg.overlong_buffer else 0.0 for _, c in comps]
+                                        cfg.overlong_penalty_factor) if cfg.overlong_buffer else 0.0
+                for _, c in comps]
     traj = Trajectories(
         prompt_ids=[p["prompt_ids"] for p, _ in comps], response_ids=[c.token_ids for _, c in comps],
-        group_ids=torch.arange(len(prompts)).repeat_interleave(params.n) + group_offset, rollout_logp=rollout_logp,
-        response_mask=mask, finish_reasons=[c.finish_reason for _, c in comps],
+        group_ids=torch.arange(len(prompts)).repeat_interleave(params.n) + group_offset,
+        rollout_logp=rollout_logp, response_mask=mask, finish_reasons=[c.finish_reason for _, c in comps],
         data_sources=[p["data_source"] for p, _ in comps],
         acc=torch.tensor([float(r["acc"]) for r in results]), score=score,
-        seq_reward=score + torch.tensor(overlong), response_texts=texts, versions=torch.full((len(comps),), version),
-        answer_found=answer_found,
+        seq_reward=score + torch.tensor(overlong), response_texts=texts,
+        versions=torch.full((len(comps),), version), answer_found=answer_found,
         routed_experts=[c.routed_experts for _, c in comps] if cfg.router_replay else None)
     return traj, counts
 
 
-def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams, engine: int, engines: int, *,
-                   version: int, group_offset: int, timing: dict) -> tuple[Trajectories, dict]:
-    """Engine `engine` of `engines` generates and scores its slice of the prompts, seeded apart from the others."""
+def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams, engine: int,
+                   engines: int, *, version: int, group_offset: int,
+                   timing: dict) -> tuple[Trajectories, dict]:
+    """Engine `engine` of `engines` generates and scores its slice of the prompts,
+    seeded apart from the others."""
     _, lo, hi = engine_share(len(prompts), engines, 1, engine)
     params = SamplingParams(**{**params.__dict__, "seed": params.seed + 100003 * engine})
     return generate_and_score(run.engine, run.tokenizer, run.scorer, prompts[lo:hi], params, cfg,
@@ -404,14 +422,15 @@ def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
     # only when something needs them: vLLM then computes them for the whole batch, at a large cost in speed
     logprobs = cfg.calculate_log_probs or tis_cap(cfg) > 0 or cfg.rollout_rs_threshold > 0
     return SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids, seed=seed,
-                          logprobs=logprobs)
+                          max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids,
+                          seed=seed, logprobs=logprobs)
 
 
 def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams, *, version: int,
             group_offset: int, timing: dict) -> tuple[Trajectories, dict]:
-    """Steps 2-3 for a list of prompts: wake the engine, give it the policy's weights (`version`), generate and
-    score this engine's share of the prompts, sleep. Every rank gets all the trajectories and reward counts."""
+    """Steps 2-3 for a list of prompts: wake the engine, give it the policy's weights (`version`), generate
+    and score this engine's share of the prompts, sleep.
+    Every rank gets all the trajectories and reward counts."""
     engine, dims = run.engine, run.dims
     run.model.eval()
     with timed("wake_sleep", timing):
@@ -420,8 +439,9 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
         sync_weights(engine, run.model, version, cfg, run.compute_dtype)  # after a level-2 sleep: a full push
     with timed("wake_sleep", timing):
         engine.wake_up(["kv_cache"])
-    traj, counts = generate_share(run, cfg, prompts, params, dims.rank // run.gen_tp, dims.world_size // run.gen_tp,
-                                  version=version, group_offset=group_offset, timing=timing)
+    traj, counts = generate_share(run, cfg, prompts, params, dims.rank // run.gen_tp,
+                                  dims.world_size // run.gen_tp, version=version, group_offset=group_offset,
+                                  timing=timing)
     if cfg.free_cache_engine:  # else it stays awake: no wake or sleep next time, the pushes only
         with timed("wake_sleep", timing):
             engine.sleep()
@@ -432,8 +452,9 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
 
 
 def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dict, counts: dict):
-    """Steps 1-3, one gen batch after another: sample gen_batch_size prompts, generate n responses each, score them
-    (and with use_kl_in_reward, subtract the KL penalty). Yields one gen batch's Trajectories at a time."""
+    """Steps 1-3, one gen batch after another: sample gen_batch_size prompts, generate n responses each, score
+    them (and with use_kl_in_reward, subtract the KL penalty).
+    Yields one gen batch's Trajectories at a time."""
     for r in itertools.count(1):
         if run.rollouts is None:
             prompts = [run.train_prompts[i] for i in run.sampler.next_indices(cfg.gen_batch_size)]
@@ -458,9 +479,10 @@ def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dic
 
 
 # -----------------------------------------------------------------------------
-# steps 1-3, asynchronous (rollout_gpus > 0): the last ranks generate while the others train. Trainer rank 0 asks for
-# gen batches ahead (prompt indices from its sampler, sampling params, the policy version, that version's weights if the
-# generators hold older ones); each generator generates and scores its share and sends it back, in the order asked.
+# steps 1-3, asynchronous (rollout_gpus > 0): the last ranks generate while the others train. Trainer rank 0
+# asks for gen batches ahead (prompt indices from its sampler, sampling params, the policy version, that
+# version's weights if the generators hold older ones); each generator generates and scores its share and
+# sends it back, in the order asked.
 
 ASYNC_TIS_CAP = 2.0
 
@@ -476,19 +498,22 @@ class Request:
 
 
 class RolloutQueue:
-    """The trainer ranks' side. pending: gen batches asked and not yet trained on, oldest first, each with the sampler state
-    from before its prompts were drawn: a checkpoint saves the oldest's, so a resumed run asks again for them."""
+    """The trainer ranks' side. pending: gen batches asked and not yet trained on, oldest first, each with the
+    sampler state from before its prompts were drawn: a checkpoint saves the oldest's, so a resumed run
+    asks again for them."""
 
     def __init__(self, run: "Run", cfg: Config, version: int):
         self.run, self.cfg, self.pending, self.sends = run, cfg, [], []
         self.generators = range(run.dims.world_size, run.dims.world_size + cfg.rollout_gpus)
-        self.held = 0 if version == 0 else None  # the generators' weights version: model_path's at a fresh start
+        # the generators' weights version: model_path's at a fresh start
+        self.held = 0 if version == 0 else None
         self.asked = (version, 0)  # (version, gen batches asked with it): their seeds
 
-    def ask(self, indices: list[int], params: SamplingParams, version: int, timing: dict, sampler_state: dict | None,
-            val: bool = False) -> dict:
-        """Rank 0 sends a request, then (when the generators hold older weights) the trainer ranks gather the full
-        weights and rank 0 broadcasts them to the generators, which load them before generating. -> its entry"""
+    def ask(self, indices: list[int], params: SamplingParams, version: int, timing: dict,
+            sampler_state: dict | None, val: bool = False) -> dict:
+        """Rank 0 sends a request, then (when the generators hold older weights) the trainer ranks gather the
+        full weights and rank 0 broadcasts them to the generators, which load them before generating.
+        -> its entry"""
         dims = self.run.dims
         req = Request(indices, params, version, val, weights=self.held != version)
         if dims.is_main:
@@ -499,8 +524,12 @@ class RolloutQueue:
             with timed("weight_transfer", timing):
                 buckets = parallel.iter_full_weights(self.run.model, self.cfg.weight_sync_bucket_mb * 2**20,
                                                      dtype=self.run.compute_dtype)
-                sent = parallel.broadcast_buckets(buckets, dims.rollout_group, dims.device) if dims.is_main else buckets
-                for _ in sent:  # rank 0 broadcasts; the other trainer ranks take part in gathering every bucket
+                if dims.is_main:
+                    sent = parallel.broadcast_buckets(buckets, dims.rollout_group, dims.device)
+                else:
+                    sent = buckets
+                # rank 0 broadcasts; the other trainer ranks take part in gathering every bucket
+                for _ in sent:
                     pass
             self.held = version
         self.pending.append({"request": req, "sampler_state": sampler_state, "result": None})
@@ -512,7 +541,8 @@ class RolloutQueue:
         self.asked = (version, r)
         state = self.run.sampler.state_dict()
         self.ask(self.run.sampler.next_indices(self.cfg.gen_batch_size),
-                 train_params(self.cfg, self.run.tokenizer, self.cfg.seed + 1000 * version + r), version, timing, state)
+                 train_params(self.cfg, self.run.tokenizer, self.cfg.seed + 1000 * version + r),
+                 version, timing, state)
 
     def take(self, entry: dict, timing: dict) -> tuple[Trajectories, dict]:
         """Wait for entry's gen batch (rank 0 keeps those that come back before it) and drop it from pending.
@@ -529,7 +559,8 @@ class RolloutQueue:
         return traj, {k: sum(c[k] for _, c, _ in parts) for k in parts[0][1]}
 
     def close(self):
-        """Stop the generators after the gen batches still asked (received and dropped); wait for every send."""
+        """Stop the generators after the gen batches still asked (received and dropped);
+        wait for every send."""
         if self.run.dims.is_main:
             for g in self.generators:
                 self.sends += parallel.send_object(None, g)
@@ -542,24 +573,31 @@ class RolloutQueue:
 
 
 def gen_batches_ahead(cfg: Config, step: int, total_steps: int) -> int:
-    """Gen batches to have asked for while `step` trains: max_staleness (each step takes at least the oldest, so
-    none is older than that when trained on), but none still out at a checkpoint, which a resumed run would have to
-    generate again with newer weights than the uninterrupted run used."""
-    checkpoint = total_steps if cfg.save_freq <= 0 else min(total_steps, -(-step // cfg.save_freq) * cfg.save_freq)
+    """Gen batches to have asked for while `step` trains: max_staleness (each step takes at least the oldest,
+    so none is older than that when trained on), but none still out at a checkpoint, which a resumed run would
+    have to generate again with newer weights than the uninterrupted run used."""
+    if cfg.save_freq <= 0:
+        checkpoint = total_steps
+    else:
+        checkpoint = min(total_steps, -(-step // cfg.save_freq) * cfg.save_freq)
     return min(cfg.max_staleness, checkpoint - step)
 
 
 def serve_rollouts(run: "Run", cfg: Config):
-    """A generator rank: until told to stop, take the next request from trainer rank 0, load the weights that come
-    with it (between gen batches, never during one), generate and score this rank's share and send it back."""
-    dims, stop, sends = run.dims, StopFlag(run.log), []  # a signal reaches all ranks: the trainers decide the stop
+    """A generator rank: until told to stop, take the next request from trainer rank 0, load the weights that
+    come with it (between gen batches, never during one), generate and score this rank's share and
+    send it back."""
+    # a signal reaches all ranks: the trainers decide the stop
+    dims, stop, sends = run.dims, StopFlag(run.log), []
     while (req := parallel.recv_object(0)) is not None:
         if req.weights:
-            run.engine.load_weights(parallel.broadcast_buckets(None, dims.rollout_group, dims.device), req.version)
+            run.engine.load_weights(parallel.broadcast_buckets(None, dims.rollout_group, dims.device),
+                                    req.version)
         timing = {}
-        traj, counts = generate_share(run, cfg, [(run.val_prompts if req.val else run.train_prompts)[i]
-                                                 for i in req.indices], req.params, dims.rank - dims.world_size,
-                                      cfg.rollout_gpus, version=req.version, group_offset=0, timing=timing)
+        traj, counts = generate_share(
+            run, cfg, [(run.val_prompts if req.val else run.train_prompts)[i] for i in req.indices],
+            req.params, dims.rank - dims.world_size, cfg.rollout_gpus, version=req.version, group_offset=0,
+            timing=timing)
         sends = [w for w in sends if not w.is_completed()] + parallel.send_object((traj, counts, timing), 0)
     for w in sends:
         w.wait()
@@ -572,9 +610,9 @@ def serve_rollouts(run: "Run", cfg: Config):
 # step 4: dynamic sampling
 
 def group_outcomes(traj: Trajectories, cfg: Config) -> dict:
-    """Why dynamic sampling keeps or drops groups -> fractions of the groups whose filter metric varies (kept), and
-    of the constant ones, all correct (solved), all wrong, or neither; the fraction of responses in which the
-    verifier found no answer (None with a custom reward_fn), and the mean response length."""
+    """Why dynamic sampling keeps or drops groups -> fractions of the groups whose filter metric varies
+    (kept), and of the constant ones, all correct (solved), all wrong, or neither; the fraction of responses
+    in which the verifier found no answer (None with a custom reward_fn), and the mean response length."""
     varying = varying_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)
     counts = {"varying": 0, "all_correct": 0, "all_wrong": 0, "constant_other": 0}
     groups = torch.unique(traj.group_ids)
@@ -598,8 +636,8 @@ def group_outcomes(traj: Trajectories, cfg: Config) -> dict:
 
 def describe_outcomes(outcomes: dict) -> str:
     """group_outcomes in words, for the progress line."""
-    text = (f"groups: {outcomes['groups_varying']:.0%} varying, {outcomes['groups_all_correct']:.0%} all correct, "
-            f"{outcomes['groups_all_wrong']:.0%} all wrong")
+    text = (f"groups: {outcomes['groups_varying']:.0%} varying, "
+            f"{outcomes['groups_all_correct']:.0%} all correct, {outcomes['groups_all_wrong']:.0%} all wrong")
     if outcomes["groups_constant_other"]:
         text += f", {outcomes['groups_constant_other']:.0%} constant otherwise"
     if outcomes["no_answer_frac"] is not None:
@@ -618,7 +656,8 @@ def likely_cause(outcomes: dict) -> str:
     if outcomes["groups_all_wrong"] >= 0.9:
         return "every group fails: the data is too hard for the model (or its answers are judged wrong)"
     if outcomes["groups_constant_other"] >= 0.5:
-        return "filter_groups_metric is constant within groups even where accuracy varies: choose another metric"
+        return ("filter_groups_metric is constant within groups even where accuracy varies: "
+                "choose another metric")
     return "a mix of solved and failed groups; more gen batches should find varying ones"
 
 
@@ -634,9 +673,10 @@ class StopRequested(Exception):
 
 
 def dynamic_sampling(gen_batches, cfg: Config, should_stop=lambda: False, progress=None):
-    """DAPO dynamic sampling: take gen batches from the iterator `gen_batches` until train_batch_size groups whose
-    filter metric varies are collected, then keep exactly train_batch_size whole groups. progress(r, kept, generated)
-    is called after each gen batch (r of them so far, kept groups, the list of generated Trajectories).
+    """DAPO dynamic sampling: take gen batches from the iterator `gen_batches` until train_batch_size groups
+    whose filter metric varies are collected, then keep exactly train_batch_size whole groups.
+    progress(r, kept, generated) is called after each gen batch (r of them so far, kept groups, the list of
+    generated Trajectories).
     -> (training batch, all generated trajectories, gen batches used)"""
     kept, generated, n_kept = [], [], 0
     for r, traj in enumerate(gen_batches, start=1):
@@ -655,8 +695,8 @@ def dynamic_sampling(gen_batches, cfg: Config, should_stop=lambda: False, progre
                 f"dynamic sampling: after {cfg.max_num_gen_batches} gen batches of {cfg.gen_batch_size} "
                 f"prompts only {n_kept} of train_batch_size={cfg.train_batch_size} groups have varying "
                 f"{cfg.filter_groups_metric} ({describe_outcomes(outcomes)}). Likely cause: "
-                f"{likely_cause(outcomes)}. Raise max_num_gen_batches (0 = unlimited) or gen_batch_size, change "
-                f"filter_groups_metric, or set filter_groups=False")
+                f"{likely_cause(outcomes)}. Raise max_num_gen_batches (0 = unlimited) or gen_batch_size, "
+                f"change filter_groups_metric, or set filter_groups=False")
         if should_stop():
             raise StopRequested
     R = cfg.max_response_length
@@ -667,7 +707,8 @@ def dynamic_sampling(gen_batches, cfg: Config, should_stop=lambda: False, progre
 # -----------------------------------------------------------------------------
 # steps 5-6: log-probs over a batch (packed: no padding tokens are computed)
 
-def micro_batches(traj: Trajectories, idx: list[int], count: int, token_budget: int | None, dims) -> list[list[int]]:
+def micro_batches(traj: Trajectories, idx: list[int], count: int, token_budget: int | None,
+                  dims) -> list[list[int]]:
     """Split trajectory indices into micro-batches by count, or by token budget (use_dynamic_bsz). Every rank
     gets the same number of micro-batches: a sharded model's forward is a collective."""
     if token_budget is None:
@@ -688,22 +729,27 @@ def rank_share(idx: list[int], dims) -> list[int]:
 
 def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, with_entropy: bool | str,
                       router_loads=None):
-    """Packed forward of prompt+response for trajectories idx -> (logp, entropy) [len(idx), R] on response tokens.
+    """Packed forward of prompt+response for trajectories idx
+    -> (logp, entropy) [len(idx), R] on response tokens.
     router_loads: a list that MoE layers append their routing statistics to (for the load-balancing loss)."""
     seqs = [traj.prompt_ids[i] + traj.response_ids[i] for i in idx]
     device = model.output_weight.device
     ids, pos, batch = pack_sequences([s[:-1] for s in seqs], device)
     targets = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
     routed = None
-    if traj.routed_experts is not None:  # row t of a trajectory: the experts the engine sent its input token t to
+    # row t of a trajectory: the experts the engine sent its input token t to
+    if traj.routed_experts is not None:
         routed = torch.cat([traj.routed_experts[i] for i in idx]).to(device)[None]
         if routed.shape[1] != ids.shape[1]:
-            raise RuntimeError(f"router replay: {routed.shape[1]} routed tokens for {ids.shape[1]} input tokens")
-    logp, ent = model(ids, pos, batch, target_ids=targets, temperature=cfg.temperature, with_entropy=with_entropy,
-                      logprob_chunk=cfg.logprob_chunk, router_loads=router_loads, routed_experts=routed)
+            raise RuntimeError(f"router replay: {routed.shape[1]} routed tokens for "
+                               f"{ids.shape[1]} input tokens")
+    logp, ent = model(ids, pos, batch, target_ids=targets, temperature=cfg.temperature,
+                      with_entropy=with_entropy, logprob_chunk=cfg.logprob_chunk, router_loads=router_loads,
+                      routed_experts=routed)
     # response token j of sequence i is target (len(prompt) - 1 + j) of its packed document
     R = traj.response_mask.shape[1]
-    starts = batch.cu_seqlens[:-1].long() + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device)
+    starts = (batch.cu_seqlens[:-1].long()
+              + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device))
     gather = (starts[:, None] + torch.arange(R, device=device)[None]).clamp(max=ids.shape[1] - 1)
     mask = traj.response_mask[idx].to(device)
     return logp[0][gather] * mask, (ent[0][gather] * mask if ent is not None else None)
@@ -732,25 +778,28 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tens
 # step 7: the policy update
 
 def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, dims) -> dict:
-    """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Every rank holds the whole batch and trains
-    on its share of each mini-batch. One normalisation: a micro-batch's loss is its sum divided by the whole
-    mini-batch's count (tokens or sequences, over all ranks), and gradients are summed over ranks (FSDP's division
-    is off), so the gradient is the mini-batch's whatever the micro-batch split or world size.
-    traj.old_logp None: the loop left the old log-probs to this update (old_logp_from_update): each forward's own
-    log-probs, detached, are the old ones."""
+    """ppo_epochs x mini-batches; each mini-batch is one optimizer step. Every rank holds the whole batch and
+    trains on its share of each mini-batch. One normalisation: a micro-batch's loss is its sum divided by the
+    whole mini-batch's count (tokens or sequences, over all ranks), and gradients are summed over ranks
+    (FSDP's division is off), so the gradient is the mini-batch's whatever the micro-batch split or
+    world size.
+    traj.old_logp None: the loop left the old log-probs to this update (old_logp_from_update): each forward's
+    own log-probs, detached, are the old ones."""
     mb_size = cfg.ppo_mini_batch_size * cfg.n
     budget = cfg.ppo_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
     device = model.output_weight.device
     n_minibatches = cfg.ppo_epochs * math.ceil(len(traj) / mb_size)
     router_aux = cfg.router_aux_loss and model.config.num_experts > 0
-    engine_logp = not traj.rollout_logp.isnan().any()  # the engine returned its log-probs (NaN: not asked for)
+    engine_logp = not traj.rollout_logp.isnan().any()  # the engine returned log-probs (NaN: not asked for)
     sums, grad_norms, skipped = {}, [], 0  # sums: this rank's share of each metric, 0-dim tensors on device
     model.train()
     for _ in range(cfg.ppo_epochs):
         for start in range(0, len(traj), mb_size):
-            idx = list(range(start, min(start + mb_size, len(traj))))  # the global mini-batch: every rank has it
+            # the global mini-batch: every rank has it
+            idx = list(range(start, min(start + mb_size, len(traj))))
             count = agg_count(traj.response_mask[idx], cfg.loss_agg_mode)
-            tokens = float(traj.response_mask[idx].sum()) or 1.0  # 0: every token rejected (rollout_rs_threshold)
+            # a sum of 0 (every token rejected: rollout_rs_threshold) counts as 1.0
+            tokens = float(traj.response_mask[idx].sum()) or 1.0
             optimizer.zero_grad(set_to_none=True)
             finite = torch.ones((), dtype=torch.bool, device=device)
             mbs = micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims)
@@ -758,7 +807,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 mask = traj.response_mask[mb].to(device)
                 mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
                 router_loads = [] if router_aux else None
-                logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=bool(cfg.entropy_coeff) or "detached",
+                logp, ent = sequence_logprobs(model, traj, mb, cfg,
+                                              with_entropy=bool(cfg.entropy_coeff) or "detached",
                                               router_loads=router_loads)
                 logp, ent = logp.float(), ent.float()
                 rollout_logp = traj.rollout_logp[mb].to(device)
@@ -767,19 +817,23 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 else:
                     old_logp = traj.old_logp[mb].to(device)
                 tis = truncated_is_weight(old_logp, rollout_logp, tis_cap(cfg)) if tis_cap(cfg) > 0 else None
-                agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length, count=count)
-                pg_loss, m = policy_loss(logp=logp, old_logp=old_logp, adv=traj.adv[mb].to(device), response_mask=mask,
-                                         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                                         clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-                                         max_response_length=cfg.max_response_length, count=count, token_weight=tis)
+                agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length,
+                           count=count)
+                pg_loss, m = policy_loss(
+                    logp=logp, old_logp=old_logp, adv=traj.adv[mb].to(device), response_mask=mask,
+                    clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                    clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
+                    max_response_length=cfg.max_response_length, count=count, token_weight=tis)
                 entropy = agg_loss(ent, **agg)
-                loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss  # 0: no entropy backward
+                # entropy_coeff 0: no entropy backward
+                loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
                 terms = {"pg_loss": pg_loss.detach(), "entropy": entropy.detach()}
                 if cfg.use_kl_loss:
                     kl = agg_loss(token_kl(logp, traj.ref_logp[mb].to(device), cfg.kl_loss_type), **agg)
                     loss = loss + cfg.kl_loss_coef * kl
                     terms["kl_loss"] = kl.detach()
-                if router_aux:  # over this micro-batch's tokens on all ranks (collective), averaged over micro-batches
+                if router_aux:
+                    # over this micro-batch's tokens on all ranks (collective), averaged over micro-batches
                     group = dims.fsdp_mesh.get_group() if dims.world_size > 1 else None
                     aux = load_balancing_loss(parallel.reduce_router_loads(router_loads, group),
                                               model.config.num_experts_per_tok) / len(mbs)
@@ -809,15 +863,16 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
 
 
 def old_logp_from_update(cfg: Config) -> bool:
-    """Can the update's own forward give the old log-probs? Only for one pass (one epoch, one mini-batch) over data
-    the current weights just generated, and when nothing needs them before the update: never in asynchronous mode
-    (the generators' weights lag) or with token rejection (it masks tokens by them)."""
+    """Can the update's own forward give the old log-probs? Only for one pass (one epoch, one mini-batch) over
+    data the current weights just generated, and when nothing needs them before the update: never in
+    asynchronous mode (the generators' weights lag) or with token rejection (it masks tokens by them)."""
     one_pass = cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size
     return one_pass and not cfg.rollout_gpus and cfg.rollout_rs_threshold < 0
 
 
 def make_scheduler(optimizer, cfg: Config, total_optimizer_steps: int):
-    """Linear warmup (step s gets (s+1)/warmup of lr, so the first update is not wasted) then constant or cosine."""
+    """Linear warmup (step s gets (s+1)/warmup of lr, so the first update is not wasted)
+    then constant or cosine."""
     def factor(s):
         if s < cfg.lr_warmup_steps:
             return (s + 1) / cfg.lr_warmup_steps
@@ -841,7 +896,8 @@ def timed(name: str, timing: dict):
 
 @dataclass
 class Run:
-    """What setup() builds once; the loop reads it. A generator rank (async mode) has no policy (None fields)."""
+    """What setup() builds once; the loop reads it.
+    A generator rank (async mode) has no policy (None fields)."""
     dims: parallel.ParallelDims
     tokenizer: Tokenizer
     train_prompts: list[dict]
@@ -889,16 +945,17 @@ def train(cfg: Config):
     consecutive_skips = 0
     while step < run.total_steps:
         t_step = time.perf_counter()
-        timing = dict.fromkeys(("gen", "reward", "sync", "wake_sleep", "old_log_prob", "ref", "update_actor") +
-                               (("gen_wait", "weight_transfer") if cfg.rollout_gpus else ()), 0.0)
+        timing = dict.fromkeys(("gen", "reward", "sync", "wake_sleep", "old_log_prob", "ref", "update_actor")
+                               + (("gen_wait", "weight_transfer") if cfg.rollout_gpus else ()), 0.0)
         counts = {}
         at_step_start = sampler_state(run), parallel.rng_state(dims.device)
 
-        # 1-4. gen batches (sample prompts, generate, score) until train_batch_size groups have reward variance
+        # 1-4. gen batches (sample, generate, score) until train_batch_size groups have reward variance
         try:
             batch, generated, num_gen_batches = dynamic_sampling(
                 gen_batches(run, cfg, step=step, version=version, timing=timing, counts=counts), cfg,
-                should_stop=lambda: stop.agreed(dims), progress=functools.partial(report_refill, cfg=cfg, bar=bar, log=log))
+                should_stop=lambda: stop.agreed(dims),
+                progress=functools.partial(report_refill, cfg=cfg, bar=bar, log=log))
         except StopRequested:  # leave as if this step never began: the resumed run draws the same prompts
             if run.rollouts is not None:
                 run.rollouts.close()  # gen batches asked ahead are dropped: drawn again after the resume
@@ -917,12 +974,13 @@ def train(cfg: Config):
         # 5. advantages from the (final) scalar reward, per group
         batch.adv = compute_grpo_advantages(batch.seq_final_reward, batch.group_ids, cfg.norm_adv_by_std)
 
-        # 6. old log-probs (unless the update's forward gives them) and reference log-probs; optional token rejection
+        # 6. old (unless the update's forward gives them) and reference log-probs; optional token rejection
         with timed("old_log_prob", timing):
             if batch.old_logp is None and not old_logp_from_update(cfg):
                 batch.old_logp = compute_logprobs(model, batch, cfg, dims)
         if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
-            metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
+            metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp,
+                                                             batch.response_mask)
         if cfg.rollout_rs_threshold > 0:
             keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
             metrics["rollout/rs_masked_frac"] = 1 - token_mean(keep, batch.response_mask)
@@ -940,12 +998,13 @@ def train(cfg: Config):
         all_skipped = metrics["actor/skipped_updates"] == plan.optimizer_steps_per_step(cfg)
         consecutive_skips = consecutive_skips + 1 if all_skipped else 0
         if consecutive_skips >= cfg.max_consecutive_skips:
-            raise RunError(f"{consecutive_skips} steps in a row had a non-finite loss or gradient norm and were "
-                           f"skipped (max_consecutive_skips={cfg.max_consecutive_skips}); lower lr, check grad_clip "
-                           "and the data, or resume from an earlier checkpoint")
+            raise RunError(f"{consecutive_skips} steps in a row had a non-finite loss or gradient norm and "
+                           f"were skipped (max_consecutive_skips={cfg.max_consecutive_skips}); lower lr, "
+                           "check grad_clip and the data, or resume from an earlier checkpoint")
         if float(metrics.get("rollout/logp_mismatch", 0.0)) > cfg.logp_mismatch_warn and not cfg.rollout_gpus:
-            log(f"warning: rollout/logp_mismatch={float(metrics['rollout/logp_mismatch']):.3g} > logp_mismatch_warn="
-                f"{cfg.logp_mismatch_warn}: engine and trainer disagree on log-probs (precision, weights?)")
+            log(f"warning: rollout/logp_mismatch={float(metrics['rollout/logp_mismatch']):.3g} > "
+                f"logp_mismatch_warn={cfg.logp_mismatch_warn}: engine and trainer disagree on log-probs "
+                "(precision, weights?)")
 
         # 8. metrics, validation, checkpoint
         metrics.update(rollout_metrics(generated, num_gen_batches, counts, cfg))
@@ -955,11 +1014,13 @@ def train(cfg: Config):
             with timed("testing", timing):
                 metrics.update(validate(run, cfg, version, step))
         timing["step"] = time.perf_counter() - t_step
-        if run.rollouts is None:  # colocated: what no phase accounts for (Python between phases, metrics, logging)
+        if run.rollouts is None:
+            # colocated: what no phase accounts for (Python between phases, metrics, logging)
             timing["other"] = timing["step"] - sum(v for k, v in timing.items() if k != "step")
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})  # verl's names
         metrics["perf/tokens_per_s"] = batch.total_tokens() / timing["step"]
-        metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / (dims.world_size + cfg.rollout_gpus)
+        metrics["perf/tokens_per_s_per_gpu"] = (metrics["perf/tokens_per_s"]
+                                                / (dims.world_size + cfg.rollout_gpus))
         if dims.device.type != "cpu":
             metrics["perf/max_memory_allocated_gib"] = parallel.max_memory_allocated_gib(dims.device)
         if dims.is_main:
@@ -983,11 +1044,14 @@ def train(cfg: Config):
 
 
 def setup(cfg: Config) -> Run:
-    """Devices, data, reward, rollout engine, policy (+ reference), optimizer: cheap things that can fail first."""
+    """Devices, data, reward, rollout engine, policy (+ reference), optimizer:
+    cheap things that can fail first."""
     dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size, cfg.ep_size, cfg.rollout_gpus)
-    out_dir_lock = checkpoint.lock_out_dir(cfg.out_dir) if dims.is_main else None  # before anything is written there
+    # before anything is written there
+    out_dir_lock = checkpoint.lock_out_dir(cfg.out_dir) if dims.is_main else None
     try:
-        engine_kind = resolve_engine(cfg.rollout_engine, dims.device.type)  # vllm installed? (a dry run needs not)
+        # vllm installed? (a dry run needs not)
+        engine_kind = resolve_engine(cfg.rollout_engine, dims.device.type)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.cpu_threads > 0:
@@ -1007,11 +1071,13 @@ def setup(cfg: Config) -> Run:
     scoring = not cfg.rollout_gpus or dims.is_generator  # async mode: trainer ranks score nothing
     scorer = reward.RewardScorer(cfg.reward_fn, num_workers=cfg.reward_num_workers if scoring else 0,
                                  timeout_s=cfg.reward_timeout)
-    if dims.is_generator:  # async mode: a built-in engine with its own copy of the weights; no policy, no optimizer
+    if dims.is_generator:
+        # async mode: a built-in engine with its own copy of the weights; no policy, no optimizer
         engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
                              max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=cfg.compile)
         return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
-                   sampler=sampler, scorer=scorer, engine=engine, gen_tp=1, compute_dtype=compute_dtype, log=log)
+                   sampler=sampler, scorer=scorer, engine=engine, gen_tp=1, compute_dtype=compute_dtype,
+                   log=log)
 
     # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
     # sleeps (weights and cache released) until the first rollout
@@ -1030,8 +1096,9 @@ def setup(cfg: Config) -> Run:
         log(f"rollout engine: vLLM, {dims.world_size // gen_tp} engine(s) of TP {gen_tp}, started in "
             f"{time.perf_counter() - t0:.0f} s; {engine.awake_bytes / 2**30:.1f} GiB each while awake")
 
-    # the policy: fp32 master weights. A CPU process: a plain fp32 module. Else TP / SP / FSDP2 shards (one GPU is a
-    # mesh of one) computing in bf16; a rollout engine then holds its own weights, pushed before every rollout.
+    # the policy: fp32 master weights. A CPU process: a plain fp32 module.
+    # Else TP / SP / FSDP2 shards (one GPU is a mesh of one) computing in bf16; a rollout engine then holds
+    # its own weights, pushed before every rollout.
     shard = None  # how from_pretrained wraps each module it builds
     if dims.sharded:
         shard = functools.partial(parallel.parallelize, dims=dims, param_dtype=compute_dtype,
@@ -1049,7 +1116,8 @@ def setup(cfg: Config) -> Run:
     model.gradient_checkpointing = ckpt
     ref_model = None
     if cfg.use_kl_loss or cfg.use_kl_in_reward:
-        ref_model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
+        ref_model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device,
+                                    parallelize=shard)
         ref_model.eval().requires_grad_(False)
     if cfg.rollout_gpus:
         log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s) with the built-in engine, "
@@ -1068,28 +1136,32 @@ def setup(cfg: Config) -> Run:
         if cfg.compile:
             features.append("compiled blocks")
         log(f"rollout engine: torch ({', '.join(features)})")
-    fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)  # no full-size temporaries
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+    # no full-size temporaries
+    fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                  weight_decay=cfg.weight_decay,
                                   fused=fused or None)  # None, not False: False would turn foreach off too
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * plan.optimizer_steps_per_step(cfg))
-    return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, sampler=sampler,
-               scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype, log=log, model=model,
-               ref_model=ref_model, optimizer=optimizer, scheduler=scheduler, total_steps=total_steps,
-               out_dir_lock=out_dir_lock)
+    return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
+               sampler=sampler, scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype,
+               log=log, model=model, ref_model=ref_model, optimizer=optimizer, scheduler=scheduler,
+               total_steps=total_steps, out_dir_lock=out_dir_lock)
 
 
 def load_prompts(cfg: Config, tokenizer, files: list[str], max_samples: int) -> list[dict]:
     """The prompts of parquet files, chat-templated and tokenized with the config's length rules."""
-    return data.load_prompts(files, tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
-                             truncation=cfg.truncation, filter_overlong_prompts=cfg.filter_overlong_prompts,
-                             max_samples=max_samples, chat_template_kwargs=cfg.chat_template_kwargs)
+    return data.load_prompts(files, tokenizer, prompt_key=cfg.prompt_key,
+                             max_prompt_length=cfg.max_prompt_length, truncation=cfg.truncation,
+                             filter_overlong_prompts=cfg.filter_overlong_prompts, max_samples=max_samples,
+                             chat_template_kwargs=cfg.chat_template_kwargs)
 
 
 def restore(cfg: Config, run: Run) -> int:
-    """Load the checkpoint cfg.resume names ('auto': the newest usable one in out_dir) into the policy, optimizer,
-    scheduler and sampler -> the step it holds (0 = a fresh start). checkpoint.resume_state says what all-or-nothing means."""
+    """Load the checkpoint cfg.resume names ('auto': the newest usable one in out_dir) into the policy,
+    optimizer, scheduler and sampler -> the step it holds (0 = a fresh start).
+    checkpoint.resume_state says what all-or-nothing means."""
     state = checkpoint.resume_state(cfg.resume, cfg.out_dir, run.model, run.optimizer, run.dims, run.log)
     if state is None:
         return 0
@@ -1100,7 +1172,8 @@ def restore(cfg: Config, run: Run) -> int:
 
 
 def save_checkpoint(cfg: Config, run: Run, step: int):
-    """Checkpoint (sharded model + optimizer, trainer state, an HF export), written atomically; prune old ones."""
+    """Checkpoint (sharded model + optimizer, trainer state, an HF export), written atomically;
+    prune old ones."""
     if step == 0 or cfg.save_freq < 0:  # nothing trained yet, or checkpoints are off
         return
     state = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": sampler_state(run)}
@@ -1132,27 +1205,31 @@ def rollout_metrics(generated: Trajectories, num_gen_batches: int, counts: dict,
             "response_length/mean": lens.mean().item(), "response_length/max": lens.max().item(),
             "response_length/clip_ratio": (lens >= cfg.max_response_length).float().mean().item(),
             "sampling/num_gen_batches": num_gen_batches,
-            "sampling/kept_group_frac": int(kept_mask(generated, cfg).sum()) // cfg.n / (num_gen_batches * cfg.gen_batch_size),
+            "sampling/kept_group_frac":
+                int(kept_mask(generated, cfg).sum()) // cfg.n / (num_gen_batches * cfg.gen_batch_size),
             **{f"sampling/{k}": v for k, v in group_outcomes(generated, cfg).items()
                if k != "response_length_mean" and v is not None},
             **{f"reward/{k}": v for k, v in counts.items()}}
 
 
 def sampler_state(run: Run) -> dict:
-    """The sampler as it was before the oldest gen batch not yet trained on was drawn (async mode: gen batches asked ahead)."""
+    """The sampler as it was before the oldest gen batch not yet trained on was drawn
+    (async mode: gen batches asked ahead)."""
     pending = run.rollouts.pending if run.rollouts is not None else []
     return pending[0]["sampler_state"] if pending else run.sampler.state_dict()
 
 
 def async_metrics(run: Run, batch: Trajectories, version: int, cfg: Config) -> dict:
-    """How many versions behind the policy the batch's weights were (beyond max_staleness is a bug: RunError), and
-    the prompts of all gen batches trained on so far (the sampler's position: each one's prompts follow the last's)."""
+    """How many versions behind the policy the batch's weights were (beyond max_staleness is a bug: RunError),
+    and the prompts of all gen batches trained on so far (the sampler's position: each one's
+    prompts follow the last's)."""
     staleness = (version - batch.versions).float()
     if staleness.max() > cfg.max_staleness:
-        raise RunError(f"step {version + 1} got trajectories {int(staleness.max())} policy versions old, more than "
-                       f"max_staleness={cfg.max_staleness}")
+        raise RunError(f"step {version + 1} got trajectories {int(staleness.max())} policy versions old, "
+                       f"more than max_staleness={cfg.max_staleness}")
     s = sampler_state(run)
-    return {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item(),
+    return {"rollout/staleness_mean": staleness.mean().item(),
+            "rollout/staleness_max": staleness.max().item(),
             "sampler/consumed_prompts": s["epoch"] * s["num_prompts"] + s["position"]}
 
 
@@ -1160,8 +1237,9 @@ DIAGNOSE_EVERY = 3  # gen batches between the dynamic-sampling progress lines of
 
 
 def report_refill(r: int, kept: int, generated: list[Trajectories], cfg: Config, bar, log):
-    """Dynamic sampling's progress: the progress bar after every gen batch; every DIAGNOSE_EVERY gen batches a line
-    saying why groups are dropped, and once no group at all was kept, one sampled response and the likely cause."""
+    """Dynamic sampling's progress: the progress bar after every gen batch; every DIAGNOSE_EVERY gen batches
+    a line saying why groups are dropped, and once no group at all was kept, one sampled response and the
+    likely cause."""
     if r == 1:
         return
     bar.set_postfix_str(f"gen batch {r}, {kept}/{cfg.train_batch_size} groups")
@@ -1199,8 +1277,8 @@ def save_val_generations(traj: Trajectories, val_prompts, tokenizer, cfg: Config
 
 
 class StopFlag:
-    """SIGTERM / SIGINT (preemption, Ctrl-C): finish the current step (or abandon a refill), checkpoint, exit 0.
-    A second signal stops the reward workers and exits at once with 128 + the signal number."""
+    """SIGTERM / SIGINT (preemption, Ctrl-C): finish the current step (or abandon a refill), checkpoint,
+    exit 0. A second signal stops the reward workers and exits at once with 128 + the signal number."""
 
     def __init__(self, log, on_force_exit=lambda: None):
         self.requested, self.log, self.on_force_exit, self.previous = False, log, on_force_exit, {}
@@ -1217,7 +1295,8 @@ class StopFlag:
                  "(send it again to exit now)")
 
     def agreed(self, dims) -> bool:
-        """True on every rank once any rank was signalled (a collective: call it at the same point on all ranks)."""
+        """True on every rank once any rank was signalled
+        (a collective: call it at the same point on all ranks)."""
         return parallel.all_reduce_max(int(self.requested), dims) > 0
 
     def restore(self):
@@ -1269,12 +1348,14 @@ class Logger:
         if "wandb" in self.backends:
             self.backends["wandb"].log(metrics, step=step)
         if "mlflow" in self.backends:  # mlflow refuses '@' in names
-            self.backends["mlflow"].log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()}, step=step)
+            self.backends["mlflow"].log_metrics({k.replace("@", "_at_"): v for k, v in metrics.items()},
+                                                step=step)
         if "console" in self.cfg.logger:
             keys = [("val/acc", "val_acc"), ("train/acc", "acc"), ("train/score_mean", "score"),
                     ("response_length/mean", "len"), ("actor/entropy", "ent"), ("actor/pg_clipfrac", "clip"),
                     ("sampling/num_gen_batches", "gen_batches"), ("timing_s/step", "s")]
-            say(f"step {step:4d} | " + " | ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics))
+            say(f"step {step:4d} | "
+                + " | ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics))
 
 
 # -----------------------------------------------------------------------------
@@ -1288,14 +1369,16 @@ PLOT_X = {"step": "training step", "samples": "responses generated", "time": "wa
 
 def plot(out_dirs: list[str], x: str = "step", png: str | None = None) -> str:
     """A PNG of reward, accuracy, response length and entropy from the metrics.jsonl of one run or several (an
-    ablation: one line per run, labelled by the config values that differ between them). x: what the horizontal
-    axis counts (PLOT_X). -> the PNG's path (default: metrics.png in the run, or ablation_<x>.png beside the runs)."""
+    ablation: one line per run, labelled by the config values that differ between them). x: what the
+    horizontal axis counts (PLOT_X).
+    -> the PNG's path (default: metrics.png in the run, or ablation_<x>.png beside the runs)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from e
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib "
+                          "(or pip install -e '.[plot]')") from e
     if x not in PLOT_X:
         raise ConfigError(f"--x={x!r}; choose one of {', '.join(PLOT_X)}")
     runs = []
@@ -1345,8 +1428,8 @@ def run_labels(out_dirs: list[str]) -> list[str]:
 
 
 def plot_x(rows: list[dict], x: str, out_dir: str) -> dict:
-    """step -> the horizontal coordinate: the step, the responses generated up to it (gen batches x gen_batch_size x
-    n, from out_dir/config.json), or the wall-clock seconds of all steps up to it."""
+    """step -> the horizontal coordinate: the step, the responses generated up to it (gen batches x
+    gen_batch_size x n, from out_dir/config.json), or the wall-clock seconds of all steps up to it."""
     if x == "step":
         return {r["step"]: r["step"] for r in rows}
     per_step = {}
@@ -1366,8 +1449,8 @@ def plot_x(rows: list[dict], x: str, out_dir: str) -> dict:
     return coordinate
 
 
-# exit codes: 0 done (or stopped by a signal after a checkpoint), 2 bad input (config, data, model, checkpoint),
-# 3 the run could not continue, 128 + N a second signal N
+# exit codes: 0 done (or stopped by a signal after a checkpoint),
+# 2 bad input (config, data, model, checkpoint), 3 the run could not continue, 128 + N a second signal N
 EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
 BAD_INPUT = (ConfigError, data.DataError, reward.RewardError, FileNotFoundError)
 RUN_FAILED = (RunError, CheckpointError)
