@@ -2,14 +2,15 @@
 Checkpoints: save, all-or-nothing resume, the HF export, and the out_dir lock.
 
 A checkpoint is the directory out_dir/checkpoints/step_N/ holding
-    dcp/                 the model and optimizer shards (torch.distributed.checkpoint: reloadable at any world size)
+    dcp/                 the model and optimizer shards
+                         (torch.distributed.checkpoint: reloadable at any world size)
     trainer_state.pt     step, lr scheduler, prompt sampler and every rank's RNG state
     config.json, *.safetensors, tokenizer files
                          an HF model directory of the policy (usable as a model_path, by transformers or vLLM)
     COMPLETE             written last
-It is written in step_N.tmp and renamed once complete, so a crash mid-write leaves the older checkpoints as they were.
-A resume checks every file of a checkpoint before it loads anything, and falls back to the previous one when the
-newest is unusable.
+It is written in step_N.tmp and renamed once complete, so a crash mid-write leaves the older checkpoints as
+they were. A resume checks every file of a checkpoint before it loads anything, and falls back to the previous
+one when the newest is unusable.
 """
 import errno
 import fcntl
@@ -34,7 +35,8 @@ HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that could not be written or is not fit to resume from. reason: one line, naming the file."""
+    """A checkpoint that could not be written or is not fit to resume from.
+    reason: one line, naming the file."""
 
     def __init__(self, path: str, reason: str):
         super().__init__(f"checkpoint {path}: {reason}")
@@ -53,8 +55,8 @@ def lock_out_dir(out_dir: str):
     except OSError:
         f.seek(0)
         holder = f.read().strip() or "another process"
-        raise ConfigError(f"out_dir={out_dir!r} is in use by pid {holder} (another nanodapo run); wait for it or "
-                          "stop it, or choose another out_dir") from None
+        raise ConfigError(f"out_dir={out_dir!r} is in use by pid {holder} (another nanodapo run); "
+                          "wait for it or stop it, or choose another out_dir") from None
     f.truncate(0)
     f.write(str(os.getpid()))
     f.flush()
@@ -82,12 +84,13 @@ def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, dims, *
 
 
 def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims, export=None):
-    """DCP model and optimizer shards, the trainer state and every rank's RNG, and export(tmp_dir) (collective: the
-    HF export), in path + ".tmp", renamed once complete. A failed write removes the .tmp directory and raises
-    CheckpointError on every rank; older checkpoints are not touched."""
+    """DCP model and optimizer shards, the trainer state and every rank's RNG, and export(tmp_dir)
+    (collective: the HF export), in path + ".tmp", renamed once complete. A failed write removes the .tmp
+    directory and raises CheckpointError on every rank; older checkpoints are not touched."""
     missing = [k for k in TRAINER_STATE_KEYS if k != "rng" and k not in trainer_state]
     if missing:
-        raise ValueError(f"trainer_state lacks {', '.join(missing)}: a resume reads {', '.join(TRAINER_STATE_KEYS)}")
+        raise ValueError(f"trainer_state lacks {', '.join(missing)}: "
+                         f"a resume reads {', '.join(TRAINER_STATE_KEYS)}")
     tmp, problem = path + ".tmp", None
     if dims.is_main:
         try:
@@ -121,8 +124,9 @@ def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims, expo
 
 
 def export_hf(model, path: str, dims, dtype, source_dir: str | None = None):
-    """Full weights gathered bucket by bucket, written by rank 0 as an HF model directory (transformers/vLLM), with
-    the tokenizer and generation files of source_dir, so the export works as a model_path."""
+    """Full weights gathered bucket by bucket, written by rank 0 as an HF model directory
+    (transformers/vLLM), with the tokenizer and generation files of source_dir, so the export works as a
+    model_path."""
     full = {}
     for bucket in parallel.iter_full_weights(model, dtype=dtype):
         if dims.is_main:
@@ -160,8 +164,9 @@ def prune_checkpoints(root: str, keep_last: int, dims):
 def resume_state(resume_from: str, out_dir: str, model, optimizer, dims, log) -> dict | None:
     """Load the newest usable checkpoint (resume_from='auto'), the given one (a path), or none ('disable')
     -> its trainer state (step, scheduler, sampler), or None for a fresh start.
-    All or nothing: a checkpoint is checked completely before anything is loaded from it. With 'auto' an unusable
-    one is reported and the previous one tried; if checkpoints exist but none is usable, the run stops."""
+    All or nothing: a checkpoint is checked completely before anything is loaded from it. With 'auto' an
+    unusable one is reported and the previous one tried; if checkpoints exist but none is usable, the run
+    stops."""
     root = os.path.join(out_dir, "checkpoints")
     if resume_from == "auto":
         candidates = complete_checkpoints(root)  # newest first
@@ -191,9 +196,9 @@ def resume_state(resume_from: str, out_dir: str, model, optimizer, dims, log) ->
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """Why the checkpoint at path is not fit to resume from, in one line naming the first file that fails, or None.
-    Checks every file without loading a model: COMPLETE, the trainer state's keys, the DCP metadata and each shard it
-    names (present, not shorter than its recorded items), the HF export's config.json."""
+    """Why the checkpoint at path is not fit to resume from, in one line naming the first file that fails,
+    or None. Checks every file without loading a model: COMPLETE, the trainer state's keys, the DCP metadata
+    and each shard it names (present, not shorter than its recorded items), the HF export's config.json."""
     if not os.path.isdir(path):
         return "no such directory"
     if not os.path.isfile(os.path.join(path, "COMPLETE")):
@@ -202,7 +207,8 @@ def checkpoint_problem(path: str) -> str | None:
     if not os.path.isfile(state_file):
         return "trainer_state.pt is missing"
     try:
-        state = torch.load(state_file, weights_only=False)  # written by save_checkpoint: RNG states need pickle
+        # written by save_checkpoint: RNG states need pickle
+        state = torch.load(state_file, weights_only=False)
     except Exception as e:
         return f"trainer_state.pt: {_one_line(e)}"
     missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
@@ -244,9 +250,10 @@ def different_model(path: str, current: ModelConfig) -> str | None:
 
 
 def load_checkpoint(path: str, model, optimizer, dims) -> dict:
-    """Load shards saved at any world size into this run's sharding, and this rank's RNG state -> the trainer state.
-    Every file is checked first, so a bad one raises CheckpointError before the model or optimizer changes. Should
-    DCP still fail (bytes corrupted in place), the shards are partly loaded: load another checkpoint, never train on."""
+    """Load shards saved at any world size into this run's sharding, and this rank's RNG state -> the
+    trainer state. Every file is checked first, so a bad one raises CheckpointError before the model or
+    optimizer changes. Should DCP still fail (bytes corrupted in place), the shards are partly loaded: load
+    another checkpoint, never train on."""
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(path, problem)
@@ -265,10 +272,11 @@ def load_checkpoint(path: str, model, optimizer, dims) -> dict:
 
 
 def apply_optimizer_knobs(cfg, optimizer, scheduler, log):
-    """After a resume, this run's lr, betas and weight decay replace the checkpoint's (said when they differ); the
-    schedule's shape comes from the config, its position from the checkpoint."""
+    """After a resume, this run's lr, betas and weight decay replace the checkpoint's (said when they
+    differ); the schedule's shape comes from the config, its position from the checkpoint."""
     group = optimizer.param_groups[0]
-    saved = {"lr": scheduler.base_lrs[0], "betas": tuple(group["betas"]), "weight_decay": group["weight_decay"]}
+    saved = {"lr": scheduler.base_lrs[0], "betas": tuple(group["betas"]),
+             "weight_decay": group["weight_decay"]}
     for k, old in saved.items():
         if old != getattr(cfg, k):
             log(f"resume: {k}={getattr(cfg, k)} replaces the checkpoint's {old}")
@@ -302,8 +310,8 @@ def _one_line(e: BaseException) -> str:
 def _write_problem(e: BaseException, tmp: str) -> str:
     cause = _cause(e)
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        return (f"No space left on device while writing {tmp}; removed it, older checkpoints are intact; free disk "
-                "space or point out_dir at a larger disk")
+        return (f"No space left on device while writing {tmp}; removed it, older checkpoints are intact; "
+                "free disk space or point out_dir at a larger disk")
     return f"writing {tmp} failed ({_one_line(e)}); removed it, older checkpoints are intact"
 
 

@@ -77,8 +77,8 @@ def run_config_file(path: str) -> dict:
 
 
 def set_field(cfg, key: str, value, where: str):
-    """cfg.key = value after checking the key exists and the value has the field's type; `where` says where the
-    value came from, for the error message."""
+    """cfg.key = value after checking the key exists and the value has the field's type; `where` says where
+    the value came from, for the error message."""
     hints = typing.get_type_hints(type(cfg))
     if key not in hints:
         message = f"unknown config key {key!r} ({where})"
@@ -100,7 +100,8 @@ def set_field(cfg, key: str, value, where: str):
 
 
 def type_matches(value, tp) -> bool:
-    """Does value have the annotated type tp? (int is a float; bool is not an int; lists and tuples by element)"""
+    """Does value have the annotated type tp?
+    (int is a float; bool is not an int; lists and tuples by element)"""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return any(type_matches(value, a) for a in args)
@@ -131,16 +132,17 @@ OFF_OR_POSITIVE = (lambda v: v == -1 or v > 0, "-1 (off) or > 0")
 IN_UNIT_INTERVAL = (lambda v: 0 < v <= 1, "in (0, 1]")
 KNOB_RANGES = {  # knob -> (test, what the message says is allowed)
     **{k: POSITIVE for k in (
-        "train_batch_size", "gen_batch_size", "n", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
-        "max_prompt_length", "max_response_length", "log_prob_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
-        "log_prob_max_token_len_per_gpu", "max_num_seqs", "total_epochs", "logprob_chunk", "val_n", "reward_timeout",
-        "weight_sync_bucket_mb", "max_consecutive_skips", "temperature", "gen_tp", "tp_size", "sp_size", "ep_size",
-        "nnodes", "n_gpus_per_node", "max_staleness")},
+        "train_batch_size", "gen_batch_size", "n", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
+        "ppo_epochs", "max_prompt_length", "max_response_length", "log_prob_micro_batch_size_per_gpu",
+        "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "max_num_seqs", "total_epochs",
+        "logprob_chunk", "val_n", "reward_timeout", "weight_sync_bucket_mb", "max_consecutive_skips",
+        "temperature", "gen_tp", "tp_size", "sp_size", "ep_size", "nnodes", "n_gpus_per_node",
+        "max_staleness")},
     **{k: NON_NEGATIVE for k in (
         "lr", "weight_decay", "lr_warmup_steps", "seed", "total_training_steps", "test_freq", "keep_last",
         "max_num_gen_batches", "reward_num_workers", "kl_loss_coef", "kl_coef", "overlong_penalty_factor",
-        "log_val_generations", "cpu_threads", "val_temperature", "max_num_batched_tokens", "logp_mismatch_warn",
-        "rollout_gpus", "clip_ratio_high")},
+        "log_val_generations", "cpu_threads", "val_temperature", "max_num_batched_tokens",
+        "logp_mismatch_warn", "rollout_gpus", "clip_ratio_high")},
     "train_max_samples": ALL_OR_POSITIVE,
     "val_max_samples": ALL_OR_POSITIVE,
     "top_k": OFF_OR_POSITIVE,
@@ -169,8 +171,8 @@ LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb"
 # the checks
 
 def check_config(cfg, world_size: int = 1, check_files: bool = True):
-    """Every knob and cross-field rule, then (check_files) the model, data, reward and out_dir, before anything
-    expensive. Raises ConfigError naming the knob or file and the fix."""
+    """Every knob and cross-field rule, then (check_files) the model, data, reward and out_dir, before
+    anything expensive. Raises ConfigError naming the knob or file and the fix."""
     check_knobs(cfg)
     check_batch_and_mesh(cfg, world_size)
     if not check_files:
@@ -184,7 +186,8 @@ def check_config(cfg, world_size: int = 1, check_files: bool = True):
     check_out_dir(cfg)
     n_train = data.check_parquet_schema(cfg.train_files, cfg.prompt_key)
     if n_train < cfg.gen_batch_size and cfg.train_max_samples <= 0:
-        raise ConfigError(f"train_files hold {n_train} prompts, fewer than gen_batch_size={cfg.gen_batch_size}")
+        raise ConfigError(f"train_files hold {n_train} prompts, fewer than "
+                          f"gen_batch_size={cfg.gen_batch_size}")
     if cfg.val_files:
         data.check_parquet_schema(cfg.val_files, cfg.prompt_key)
     try:
@@ -212,46 +215,48 @@ def check_knobs(cfg):
             raise ConfigError(f"logger {name!r}; choose from {', '.join(LOGGERS)}")
         package = LOGGERS[name]
         if package is not None and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"logger {name!r} is listed but {package} is not installed; pip install {package} or "
-                              "remove it")
+            raise ConfigError(f"logger {name!r} is listed but {package} is not installed; "
+                              f"pip install {package} or remove it")
     if cfg.resume not in ("auto", "disable") and not os.path.isdir(cfg.resume):
-        raise ConfigError(f"resume={cfg.resume!r}: use 'auto', 'disable' or the path of a checkpoint directory "
-                          "(out_dir/checkpoints/step_N)")
+        raise ConfigError(f"resume={cfg.resume!r}: use 'auto', 'disable' or the path of a checkpoint "
+                          "directory (out_dir/checkpoints/step_N)")
 
 
 def check_batch_and_mesh(cfg, world_size: int):
-    """The rules between knobs: batch sizes against each other and the ranks, asynchronous and engine layouts."""
+    """The rules between knobs: batch sizes against each other and the ranks,
+    asynchronous and engine layouts."""
     B, M, G = cfg.train_batch_size, cfg.ppo_mini_batch_size, cfg.n
     if B % M:
         raise ConfigError(f"ppo_mini_batch_size={M} must divide train_batch_size={B} (one optimizer step per "
                           "mini-batch)")
     if cfg.gen_batch_size < B and not cfg.filter_groups:
-        raise ConfigError(f"gen_batch_size={cfg.gen_batch_size} < train_batch_size={B} needs filter_groups=True "
-                          "(dynamic sampling refills with more gen batches)")
+        raise ConfigError(f"gen_batch_size={cfg.gen_batch_size} < train_batch_size={B} needs "
+                          "filter_groups=True (dynamic sampling refills with more gen batches)")
     if cfg.rollout_gpus:
         if cfg.rollout_gpus >= world_size:
-            raise ConfigError(f"rollout_gpus={cfg.rollout_gpus} must be < the world size {world_size} (torchrun's "
-                              "ranks): the first ranks train, the last rollout_gpus generate; launch more ranks, or "
-                              "rollout_gpus=0 (colocated)")
+            raise ConfigError(f"rollout_gpus={cfg.rollout_gpus} must be < the world size {world_size} "
+                              "(torchrun's ranks): the first ranks train, the last rollout_gpus generate; "
+                              "launch more ranks, or rollout_gpus=0 (colocated)")
         if cfg.rollout_engine == "vllm" or cfg.gen_tp != 1:
-            raise ConfigError("rollout_gpus > 0 generates with the built-in engine, one per generator rank (vLLM "
-                              "there is not supported yet): set rollout_engine='torch' or 'auto' and gen_tp=1, or "
-                              "rollout_gpus=0")
+            raise ConfigError("rollout_gpus > 0 generates with the built-in engine, one per generator rank "
+                              "(vLLM there is not supported yet): set rollout_engine='torch' or 'auto' and "
+                              "gen_tp=1, or rollout_gpus=0")
     trainer_ranks = world_size - cfg.rollout_gpus  # the mesh rules apply to them
     try:
         dp = parallel.check_mesh(trainer_ranks, cfg.tp_size, cfg.sp_size, ep_size=cfg.ep_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if (M * G) % dp:
-        raise ConfigError(f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over {dp} data-parallel "
-                          "ranks (world_size / (tp_size * sp_size))")
+        raise ConfigError(f"ppo_mini_batch_size*n={M * G} trajectories must split evenly over {dp} "
+                          "data-parallel ranks (world_size / (tp_size * sp_size))")
     if cfg.router_replay and cfg.rollout_engine != "vllm":
-        raise ConfigError("router_replay=True replays the routing vLLM records (enable_return_routed_experts): set "
-                          "rollout_engine='vllm'")
+        raise ConfigError("router_replay=True replays the routing vLLM records "
+                          "(enable_return_routed_experts): set rollout_engine='vllm'")
     device = parallel.device_type() if cfg.device == "auto" else cfg.device
     if cfg.compile and trainer_ranks == 1 and device == "cpu":
-        raise ConfigError("compile=True compiles the sharded policy (a GPU, or torchrun ranks); one CPU process "
-                          "trains a plain module that the built-in engine decodes with: set compile=False")
+        raise ConfigError("compile=True compiles the sharded policy (a GPU, or torchrun ranks); one CPU "
+                          "process trains a plain module that the built-in engine decodes with: "
+                          "set compile=False")
     per_rank = M * G // dp
     if not cfg.use_dynamic_bsz and per_rank % cfg.ppo_micro_batch_size_per_gpu:
         raise ConfigError(f"ppo_micro_batch_size_per_gpu={cfg.ppo_micro_batch_size_per_gpu} must divide the "
@@ -260,23 +265,25 @@ def check_batch_and_mesh(cfg, world_size: int):
     if cfg.use_dynamic_bsz:
         for k in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
             if getattr(cfg, k) * cfg.sp_size < max_seq:
-                raise ConfigError(f"{k}={getattr(cfg, k)} x sp_size={cfg.sp_size} must be >= max_prompt_length + "
-                                  f"max_response_length = {max_seq} (one sequence must fit an SP group's budget)")
+                raise ConfigError(f"{k}={getattr(cfg, k)} x sp_size={cfg.sp_size} must be >= "
+                                  f"max_prompt_length + max_response_length = {max_seq} "
+                                  "(one sequence must fit an SP group's budget)")
     if cfg.overlong_buffer and not 0 < cfg.overlong_buffer_len <= cfg.max_response_length:
         raise ConfigError(f"overlong_buffer_len={cfg.overlong_buffer_len} must be in (0, max_response_length="
                           f"{cfg.max_response_length}]")
     if cfg.gen_tp != 1 and cfg.rollout_engine == "torch":
-        raise ConfigError(f"gen_tp={cfg.gen_tp} needs rollout_engine='vllm' (the built-in engine generates on one "
-                          "GPU per rank)")
+        raise ConfigError(f"gen_tp={cfg.gen_tp} needs rollout_engine='vllm' (the built-in engine generates "
+                          "on one GPU per rank)")
     if trainer_ranks % cfg.gen_tp:
-        raise ConfigError(f"gen_tp={cfg.gen_tp} must divide the world size {trainer_ranks} (world_size / gen_tp vLLM "
-                          "engines)")
+        raise ConfigError(f"gen_tp={cfg.gen_tp} must divide the world size {trainer_ranks} "
+                          "(world_size / gen_tp vLLM engines)")
 
 
 def check_model_dir(cfg, world_size: int):
     """config.json, weights, tokenizer and chat template of model_path, and the context the run needs."""
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-        raise ConfigError(f"model_path={cfg.model_path!r} has no config.json; point it at an HF model directory")
+        raise ConfigError(f"model_path={cfg.model_path!r} has no config.json; "
+                          "point it at an HF model directory")
     try:
         model_cfg = check_weights(cfg.model_path)  # safetensors headers: names, shapes, truncation
         parallel.check_mesh(world_size, cfg.tp_size, cfg.sp_size, model_cfg.num_attention_heads,
@@ -287,7 +294,8 @@ def check_model_dir(cfg, world_size: int):
         raise ConfigError(f"model_path={cfg.model_path!r}: {e}") from None
     for knob in ("router_aux_loss", "router_replay"):
         if getattr(cfg, knob) and not model_cfg.num_experts:
-            raise ConfigError(f"{knob}=True but {cfg.model_path} is not a mixture-of-experts model; remove it")
+            raise ConfigError(f"{knob}=True but {cfg.model_path} is not a mixture-of-experts model; "
+                              "remove it")
     ckpt = cfg.gradient_checkpointing
     if type(ckpt) is int and ckpt > model_cfg.num_hidden_layers:
         raise ConfigError(f"gradient_checkpointing={ckpt} is more blocks than the model's "
@@ -310,6 +318,6 @@ def check_out_dir(cfg):
         raise ConfigError(f"out_dir={cfg.out_dir!r} is not writable ({e}); choose another out_dir") from None
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
     if cfg.resume == "disable" and os.path.isdir(ckpt_root) and os.listdir(ckpt_root):
-        raise ConfigError(f"resume='disable' but {ckpt_root} holds an earlier run's checkpoints, which a later "
-                          "resume='auto' would take for this run's; choose a new out_dir, resume='auto' to continue "
-                          "that run, or delete the checkpoints")
+        raise ConfigError(f"resume='disable' but {ckpt_root} holds an earlier run's checkpoints, which a "
+                          "later resume='auto' would take for this run's; choose a new out_dir, "
+                          "resume='auto' to continue that run, or delete the checkpoints")

@@ -1,8 +1,9 @@
 """
-The dry run and the memory planner: `python train_dapo.py CONFIG --dry_run` checks the config, prints the batch
-arithmetic and the per-GPU bytes of the run from its Config and the model's shape, for either rollout engine (the
-built-in torch engine or vLLM), before any GPU is touched. memory_plan computes the terms, format_memory_plan prints
-them side by side for several GPU sizes; train_dapo.py also asks memory_plan for gradient_checkpointing="auto".
+The dry run and the memory planner: `python train_dapo.py CONFIG --dry_run` checks the config, prints the
+batch arithmetic and the per-GPU bytes of the run from its Config and the model's shape, for either rollout
+engine (the built-in torch engine or vLLM), before any GPU is touched. memory_plan computes the terms,
+format_memory_plan prints them side by side for several GPU sizes; train_dapo.py also asks memory_plan for
+gradient_checkpointing="auto".
 """
 import dataclasses
 import math
@@ -35,17 +36,19 @@ MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / g
 
 def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: float = 3.0,
                 engine: str = "torch") -> dict:
-    """Estimate per-GPU memory of a run of train_dapo.train(cfg) (cfg: a Config, model_cfg: a ModelConfig) on
-    world_size GPUs of gpu_gib GiB -> {"gib": {term: GiB}, "phase": {term: phase}, "host_gib", "training_gib",
-    "generation_gib", "peak_gib", "verdict", "largest", "knob", "notes", "gradient_checkpointing", ...}; peak =
-    resident + max(training, generation). README.md "The memory plan" states each term's formula. A bad mesh raises
-    ValueError. gradient_checkpointing="auto": the fewest blocks (the first N) for which the peak is within 85% of the
-    GPU (headroom for what the plan does not see), at most all but the last (its recompute follows its forward)."""
+    """Estimate per-GPU memory of a run of train_dapo.train(cfg) (cfg: a Config, model_cfg: a ModelConfig)
+    on world_size GPUs of gpu_gib GiB -> {"gib": {term: GiB}, "phase": {term: phase}, "host_gib",
+    "training_gib", "generation_gib", "peak_gib", "verdict", "largest", "knob", "notes",
+    "gradient_checkpointing", ...}; peak = resident + max(training, generation). README.md "The memory plan"
+    states each term's formula. A bad mesh raises ValueError. gradient_checkpointing="auto": the fewest
+    blocks (the first N) for which the peak is within 85% of the GPU (headroom for what the plan does not
+    see), at most all but the last (its recompute follows its forward)."""
     m, L, asked = model_cfg, model_cfg.num_hidden_layers, cfg
     if cfg.gradient_checkpointing == "auto":
         def fits_with(n_blocks):
             with_n = dataclasses.replace(cfg, gradient_checkpointing=n_blocks)
-            return memory_plan(with_n, m, world_size, gpu_gib, runtime_gib, engine)["peak_gib"] <= 0.85 * gpu_gib
+            return (memory_plan(with_n, m, world_size, gpu_gib, runtime_gib, engine)["peak_gib"]
+                    <= 0.85 * gpu_gib)
         n = next((n for n in range(L - 1) if fits_with(n)), L - 1)
         cfg = dataclasses.replace(cfg, gradient_checkpointing=n or False)
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
@@ -62,9 +65,9 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     mlp = 3 * h * m.intermediate_size  # a dense layer's, split by TP
     experts, router = E * 3 * h * m.moe_intermediate_size, E * h  # a MoE layer's, replicated over TP
     by_tp = L * attn + (L - n_moe) * mlp
-    root = P - L * (attn + norms) - (L - n_moe) * mlp - n_moe * (experts + router)  # embeddings, lm_head, norm
-    # every GPU run is FSDP2 (one GPU: a mesh of one); experts: 1/ep of each stack per EP rank, FSDP over fsdp / ep:
-    # 1/fsdp a GPU, as without EP
+    root = P - L * (attn + norms) - (L - n_moe) * mlp - n_moe * (experts + router)  # embedding, lm_head, norm
+    # every GPU run is FSDP2 (one GPU: a mesh of one); experts: 1/ep of each stack per EP rank, FSDP over
+    # fsdp / ep: 1/fsdp a GPU, as without EP
     per_gpu = by_tp / (fsdp * tp) + (P - by_tp) / fsdp  # params held by one GPU
     offload = cfg.param_offload or cfg.optimizer_offload
     use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
@@ -81,11 +84,12 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
         block_params.append(attn / tp + norms + router + experts / ep)  # MoE
     gib["working"] = 2 * w * (root + max(block_params)) / GiB
     seq = cfg.max_prompt_length + cfg.max_response_length
-    tokens = cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu * seq
+    tokens = (cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz
+              else cfg.ppo_micro_batch_size_per_gpu * seq)
     local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
     split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
     sparse = 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E  # a MoE layer's MLP, top-k experts a token
-    dense, moe = 16 * h + (split + 8 * m.intermediate_size) / tp, 16 * h + split / tp + sparse  # bytes a token
+    dense, moe = 16 * h + (split + 8 * m.intermediate_size) / tp, 16 * h + split / tp + sparse  # bytes/token
     per_token = [moe if m.is_moe_layer(i) else dense for i in range(L)]
     scale = local * w / 2  # bytes counted for bf16 above; w / 2 scales them
     ckpt = cfg.gradient_checkpointing
@@ -110,52 +114,62 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     phase = {k: MEMORY_TERMS[k][0] for k in gib}
     if not cfg.free_cache_engine:  # the engine stays awake through training
         phase["vllm_awake"] = phase["kv_cache"] = "resident"
-    total = {p: sum(v for k, v in gib.items() if phase[k] == p) for p in ("resident", "training", "generation")}
+    total = {p: sum(v for k, v in gib.items() if phase[k] == p)
+             for p in ("resident", "training", "generation")}
     peak_phase = "training" if total["training"] >= total["generation"] else "generation"
     peak = total["resident"] + total[peak_phase]
-    vllm_kv_gib = cfg.gpu_memory_utilization * gpu_gib * cfg.gen_tp - 2 * P / GiB - cfg.gen_tp  # ~1 GiB act./GPU
+    # vLLM's KV room: its pool less the bf16 weights and ~1 GiB of activations a GPU
+    vllm_kv_gib = cfg.gpu_memory_utilization * gpu_gib * cfg.gen_tp - 2 * P / GiB - cfg.gen_tp
     fits = peak <= gpu_gib and (not vllm or vllm_kv_gib > 0)
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
-    notes = [f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the built-in engine: "
-             f"{generator_gib:.2f} GiB (weights, KV cache, runtime)"] if cfg.rollout_gpus else []
+    notes = [f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the built-in "
+             f"engine: {generator_gib:.2f} GiB (weights, KV cache, runtime)"] if cfg.rollout_gpus else []
     if cfg.free_cache_engine and not cfg.rollout_gpus:  # the other choice, planned alike
-        awake = memory_plan(dataclasses.replace(asked, free_cache_engine=False), m, world_size, gpu_gib, runtime_gib,
-                            engine)
-        notes.append(f"free_cache_engine=False (the engine stays awake: no wake or sleep a step) {awake['verdict']}: "
-                     f"peak {awake['peak_gib']:.1f} GiB, gradient_checkpointing {awake['gradient_checkpointing']}")
+        awake = memory_plan(dataclasses.replace(asked, free_cache_engine=False), m, world_size, gpu_gib,
+                            runtime_gib, engine)
+        notes.append(f"free_cache_engine=False (the engine stays awake: no wake or sleep a step) "
+                     f"{awake['verdict']}: peak {awake['peak_gib']:.1f} GiB, "
+                     f"gradient_checkpointing {awake['gradient_checkpointing']}")
     if vllm:
         seqs = vllm_kv_gib * GiB / (kv_token * seq)
         short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
         notes.append(f"vLLM engine of TP {cfg.gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x "
-                     f"{cfg.gen_tp} GPUs - weights {2 * P / GiB:.1f} GiB leaves ~{vllm_kv_gib:.0f} GiB of KV cache = "
-                     f"{seqs:.0f} sequences of max length ({seq} tokens) in flight{short}")
+                     f"{cfg.gen_tp} GPUs - weights {2 * P / GiB:.1f} GiB leaves ~{vllm_kv_gib:.0f} GiB of "
+                     f"KV cache = {seqs:.0f} sequences of max length ({seq} tokens) in flight{short}")
         if vllm_kv_gib <= 0:
             largest = "vllm_awake"
-    if n_moe and ep > 1:
-        notes.append(f"EP {ep}: each GPU computes {E // ep} of {E} experts a MoE layer; all-to-all rows assume "
-                     "balanced routing (a skewed router sends more to some GPUs)")
-    elif n_moe:
-        notes.append(f"MoE without EP: FSDP gathers all {E} experts of a layer on every GPU (working weights); "
-                     "ep_size splits them")
-    else:
-        room = ", ".join(f"TP {t}: {0.8 * gpu_gib * t - 2 * P / GiB:.0f}" for t in (1, 2, 4, 8))
-        notes.append(f"with the vLLM engine (rollout_engine='vllm'), GiB left for KV per engine at "
-                     f"gpu_memory_utilization 0.8 of {gpu_gib:g} GiB: {room}")
-    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "ep": ep, "gpu_gib": gpu_gib, "num_params": P,
-            "num_active_params": m.num_active_params(), "engine": engine, "tokens_per_micro_batch": tokens,
-            "kv_rows": rows, "gib": gib, "phase": phase, "host_gib": host_gib, "resident_gib": total["resident"],
-            "training_gib": total["training"], "generation_gib": total["generation"], "peak_gib": peak,
-            "peak_phase": peak_phase, "verdict": "fits" if fits else "does not fit", "largest": largest,
+    notes.append(_model_note(n_moe, E, ep, gpu_gib, P))
+    return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "ep": ep, "gpu_gib": gpu_gib,
+            "num_params": P, "num_active_params": m.num_active_params(), "engine": engine,
+            "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase,
+            "host_gib": host_gib, "resident_gib": total["resident"], "training_gib": total["training"],
+            "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,
+            "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+def _model_note(n_moe: int, E: int, ep: int, gpu_gib: float, P: int) -> str:
+    """memory_plan's note on the model's kind (n_moe MoE layers of E experts, ep_size ep, P params): how a MoE
+    model's experts are laid out over the GPUs, or for a dense model the KV room a vLLM engine would have."""
+    if n_moe and ep > 1:
+        return (f"EP {ep}: each GPU computes {E // ep} of {E} experts a MoE layer; all-to-all rows "
+                "assume balanced routing (a skewed router sends more to some GPUs)")
+    if n_moe:
+        return (f"MoE without EP: FSDP gathers all {E} experts of a layer on every GPU "
+                "(working weights); ep_size splits them")
+    room = ", ".join(f"TP {t}: {0.8 * gpu_gib * t - 2 * P / GiB:.0f}" for t in (1, 2, 4, 8))
+    return (f"with the vLLM engine (rollout_engine='vllm'), GiB left for KV per engine at "
+            f"gpu_memory_utilization 0.8 of {gpu_gib:g} GiB: {room}")
 
 
 def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     """What to turn when `term` is the largest part of a peak that does not fit."""
     budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
     if term in ("params", "grads", "optimizer", "ref_params"):
-        return "param_offload=True + optimizer_offload=True (states to the host), or more GPUs (smaller shards)"
+        return ("param_offload=True + optimizer_offload=True (states to the host), or more GPUs "
+                "(smaller shards)")
     if term == "working" and moe:
         return "ep_size (splits each MoE layer's experts over ep_size GPUs)"
     if term == "working":
@@ -163,21 +177,23 @@ def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     if term == "a2a_buffers":
         return f"{budget} (rows exchanged per MoE layer), or sp_size"
     if term == "vllm_awake":
-        return ("gen_tp (vLLM's bf16 weights, 2 bytes x params / gen_tp per GPU, must fit in gpu_memory_utilization "
-                "x GPU with room for the KV cache), or gpu_memory_utilization")
+        return ("gen_tp (vLLM's bf16 weights, 2 bytes x params / gen_tp per GPU, must fit in "
+                "gpu_memory_utilization x GPU with room for the KV cache), or gpu_memory_utilization")
     if term == "engine_weights":
         return ("rollout_engine='vllm' with gen_tp > 1 (each engine splits the weights over gen_tp GPUs; the "
                 "built-in engine holds a full copy on every GPU)")
     if term == "activations" and cfg.gradient_checkpointing is not True:
         return "gradient_checkpointing=True"
     if term == "activations":
-        return f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs)"
+        return (f"{budget}, or sp_size (sequence parallelism splits each micro-batch's tokens over "
+                "sp_size GPUs)")
     if term == "logprob_buffer":
         return "logprob_chunk"
     if cfg.max_num_seqs > cfg.n:  # kv_cache
         return f"max_num_seqs (now {cfg.max_num_seqs}; a multiple of n={cfg.n})"
     return (f"max_response_length (max_num_seqs is at its floor, one group of n={cfg.n} rows), or "
-            "rollout_engine='vllm' (its paged KV cache grows with the sequences, within gpu_memory_utilization)")
+            "rollout_engine='vllm' (its paged KV cache grows with the sequences, within "
+            "gpu_memory_utilization)")
 
 
 def format_memory_plan(plans: list[dict]) -> str:
@@ -195,22 +211,26 @@ def format_memory_plan(plans: list[dict]) -> str:
     active = f" ({p0['num_active_params'] / 1e9:.2f}B active a token)" if active else ""
     ep = f", ep {p0['ep']}" if p0["ep"] > 1 else ""
     out = [f"memory per GPU (GiB): {p0['num_params'] / 1e9:.2f}B params{active}, world {p0['world_size']} = "
-           f"dp {p0['dp']}{sp} x tp {p0['tp']}{ep}, {p0['tokens_per_micro_batch']} tokens per update micro-batch"
-           f"{per_gpu}, KV cache {p0['kv_rows']} rows",
+           f"dp {p0['dp']}{sp} x tp {p0['tp']}{ep}, {p0['tokens_per_micro_batch']} tokens per update "
+           f"micro-batch{per_gpu}, KV cache {p0['kv_rows']} rows",
            f"  {'':11}{'':38}" + cols(head)]
     for phase in ("resident", "training", "generation"):
-        for i, (term, (_, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items() if p0["phase"][t] == phase):
-            out.append(f"  {phase if i == 0 else '':11}{label:38}" + cols(f"{p['gib'][term]:.2f}" for p in plans))
+        for i, (term, (_, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items()
+                                               if p0["phase"][t] == phase):
+            out.append(f"  {phase if i == 0 else '':11}{label:38}"
+                       + cols(f"{p['gib'][term]:.2f}" for p in plans))
     for key, label in (("host_gib", "host (offloaded states), per GPU"), ("resident_gib", "resident"),
                        ("training_gib", "training phase"), ("generation_gib", "generation phase"),
                        ("peak_gib", "peak = resident + max(phases)")):
         out.append(f"  {'':11}{label:38}" + cols(f"{p[key]:.2f}" for p in plans))
-    out.append(f"  {'':11}{'gradient_checkpointing':38}" + cols(str(p["gradient_checkpointing"]) for p in plans))
+    out.append(f"  {'':11}{'gradient_checkpointing':38}"
+               + cols(str(p["gradient_checkpointing"]) for p in plans))
     out.append(f"  {'':11}{'verdict':38}" + cols(p["verdict"] for p in plans))
     for p in plans:
         if p["knob"]:
-            out.append(f"  {p['gpu_gib']:g} GiB: does not fit by {p['peak_gib'] - p['gpu_gib']:.1f} GiB; largest "
-                       f"term: {MEMORY_TERMS[p['largest']][1]} ({p['gib'][p['largest']]:.1f} GiB); turn: {p['knob']}")
+            out.append(f"  {p['gpu_gib']:g} GiB: does not fit by {p['peak_gib'] - p['gpu_gib']:.1f} GiB; "
+                       f"largest term: {MEMORY_TERMS[p['largest']][1]} ({p['gib'][p['largest']]:.1f} GiB); "
+                       f"turn: {p['knob']}")
     out += [f"  note: {n}" for n in dict.fromkeys(n for p in plans for n in p["notes"])]  # each note once
     return "\n".join(out)
 
@@ -224,7 +244,8 @@ def optimizer_steps_per_step(cfg) -> int:
 
 
 def batch_arithmetic(cfg, world_size: int, num_train_prompts: int | None = None) -> dict:
-    """What one step generates and trains on, per rank and in all (README "Batch vocabulary" in ALGORITHM.md)."""
+    """What one step generates and trains on, per rank and in all
+    (README "Batch vocabulary" in ALGORITHM.md)."""
     B, M, G = cfg.train_batch_size, cfg.ppo_mini_batch_size, cfg.n
     dp = world_size // (cfg.tp_size * cfg.sp_size)
     a = {"world_size": world_size, "prompts_per_gen_batch": cfg.gen_batch_size,
@@ -244,7 +265,8 @@ def batch_arithmetic(cfg, world_size: int, num_train_prompts: int | None = None)
 def dry_run(cfg):
     """Check the config, print the batch arithmetic and a per-GPU memory plan; touches no GPU and needs
     neither the model nor the data to be present (a known model shape and a note stand in)."""
-    world_size = int(os.environ.get("WORLD_SIZE", cfg.nnodes * cfg.n_gpus_per_node))  # torchrun's, else the config's
+    # torchrun's world size, else the config's
+    world_size = int(os.environ.get("WORLD_SIZE", cfg.nnodes * cfg.n_gpus_per_node))
     model_present = os.path.isfile(os.path.join(cfg.model_path, "config.json"))
     files_present = all(os.path.isfile(f) for f in cfg.train_files + cfg.val_files)
     check_config(cfg, world_size, check_files=model_present and files_present)
@@ -253,8 +275,9 @@ def dry_run(cfg):
     else:
         name = os.path.basename(os.path.normpath(os.path.expanduser(cfg.model_path))).lower()
         if name not in KNOWN_CONFIGS:
-            raise ConfigError(f"model_path={cfg.model_path!r} has no config.json and {name!r} is not a known shape "
-                              f"({', '.join(sorted(KNOWN_CONFIGS))}); point model_path at the model directory")
+            raise ConfigError(f"model_path={cfg.model_path!r} has no config.json and {name!r} is not a known "
+                              f"shape ({', '.join(sorted(KNOWN_CONFIGS))}); "
+                              "point model_path at the model directory")
         model_cfg = ModelConfig.from_hf(KNOWN_CONFIGS[name])
         print(f"note: {cfg.model_path} not found; planning with the published shape of {name}")
     n_train = None
@@ -267,7 +290,8 @@ def dry_run(cfg):
     trainer_ranks = world_size - cfg.rollout_gpus
     for k, v in batch_arithmetic(cfg, trainer_ranks, n_train).items():
         print(f"  {k}: {v}")
-    # what "auto" picks on a CUDA machine with this one's packages; "vllm" is planned even where it is not installed
+    # what "auto" picks on a CUDA machine with this one's packages; "vllm" is planned even where it is not
+    # installed
     if cfg.rollout_engine == "vllm":
         engine = "vllm"
     else:
