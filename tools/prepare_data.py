@@ -2,6 +2,7 @@
 Preparing and inspecting data in verl's parquet schema (the training path reads it with data.py):
 
     python tools/prepare_data.py make-arith data/arith --train 4000 --val 200   # the CPU demo task
+    python tools/prepare_data.py make-fewshot-arith data/fewshot_arith          # the SmolLM2 recipe's task
     python tools/prepare_data.py prepare-gsm8k RAW_DIR data/gsm8k   # raw GSM8K (HF or openai jsonl) -> verl's rows
     python tools/prepare_data.py jsonl2parquet IN.jsonl OUT.parquet        # one JSON row per line
     python tools/prepare_data.py inspect data/gsm8k/train.parquet --tokenizer MODEL_DIR --max_prompt_length 512
@@ -45,6 +46,36 @@ def make_arith_rows(num_rows, split, seed=0, max_operand=99):
         rows.append({"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
                      "ability": "arith", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
                      "extra_info": {"split": split, "index": i}})
+    return rows
+
+
+FEWSHOT_EXAMPLES = ((3, 5), (12, 7), (24, 19))  # one-digit, mixed and two-digit operands, answered "Answer: N"
+
+
+def random_operand(rng, one_digit_prob):
+    if rng.random() < one_digit_prob:
+        return int(rng.integers(0, 10))
+    return int(rng.integers(10, 100))
+
+
+def make_fewshot_arith_rows(num_rows, split, seed=0, one_digit_prob=0.3):
+    """Addition of one- and two-digit numbers as a chat with three solved examples before the question, answered
+    "Answer: N" (data_source math_dapo, DAPO's verifier). Each operand has one digit with probability
+    one_digit_prob; train and val never share a problem (arith_split)."""
+    rng = np.random.default_rng(seed)
+    shots = []
+    for a, b in FEWSHOT_EXAMPLES:
+        shots += [{"role": "user", "content": f"What is {a} + {b}?"},
+                  {"role": "assistant", "content": f"Answer: {a + b}"}]
+    rows = []
+    while len(rows) < num_rows:
+        a, b = random_operand(rng, one_digit_prob), random_operand(rng, one_digit_prob)
+        if arith_split(a, b) != split or (a, b) in FEWSHOT_EXAMPLES:
+            continue
+        rows.append({"data_source": "math_dapo",
+                     "prompt": shots + [{"role": "user", "content": f"What is {a} + {b}?"}],
+                     "ability": "arith", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                     "extra_info": {"split": split, "index": len(rows)}})
     return rows
 
 
@@ -168,6 +199,11 @@ def main(argv=None):
     p.add_argument("--train", type=int, default=4000, help="train rows")
     p.add_argument("--val", type=int, default=200, help="val rows")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("make-fewshot-arith", help="write the SmolLM2 recipe's task: OUT_DIR/{train,val}.parquet")
+    p.add_argument("out_dir")
+    p.add_argument("--train", type=int, default=20000, help="train rows")
+    p.add_argument("--val", type=int, default=256, help="val rows")
+    p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("prepare-gsm8k", help="raw GSM8K -> OUT_DIR/{train,test}.parquet, as verl")
     p.add_argument("raw", help="a folder with the train and test splits, or one raw split file")
     p.add_argument("out_dir")
@@ -188,6 +224,11 @@ def main(argv=None):
         for split, n in (("train", args.train), ("val", args.val)):
             path = os.path.join(args.out_dir, f"{split}.parquet")
             write_parquet(make_arith_rows(n, split, seed=args.seed), path)
+            print(f"wrote {n} {split} rows to {path}")
+    elif args.cmd == "make-fewshot-arith":
+        for split, n in (("train", args.train), ("val", args.val)):
+            path = os.path.join(args.out_dir, f"{split}.parquet")
+            write_parquet(make_fewshot_arith_rows(n, split, seed=args.seed), path)
             print(f"wrote {n} {split} rows to {path}")
     elif args.cmd == "prepare-gsm8k":
         if os.path.isfile(args.raw):  # one split file: its name says which
