@@ -200,6 +200,10 @@ class ModelConfig:
 # name: --dry_run plans the recipes in configs/ with them when the model is not present; bench/ builds random
 # models of them.
 KNOWN_CONFIGS = {
+    "smollm2-135m-instruct": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+        rms_norm_eps=1e-05, tie_word_embeddings=True, max_position_embeddings=8192),
     "qwen2.5-32b": dict(
         architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=5120, intermediate_size=27648,
         num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, rope_theta=1000000.0,

@@ -83,8 +83,8 @@ def math_dapo_score(solution_str: str, ground_truth: str, strict_box_verify: boo
         correct = pred == ground_truth
     else:
         found = re.findall(ANSWER_PATTERN, solution_str)
-        pred = normalize_final_answer(found[-1] if found else "[INVALID]")
-        correct = pred == normalize_final_answer(ground_truth)
+        pred = normalize_final_answer(found[-1]) if found else None  # None: no "Answer:" line at all
+        correct = pred is not None and pred == normalize_final_answer(ground_truth)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 

@@ -1388,7 +1388,8 @@ def plot(out_dirs: list[str], x: str = "step", png: str | None = None) -> str:
             raise ConfigError(f"no metrics.jsonl in {out_dir!r}; pass the out_dir of a run")
         runs.append((out_dir, read_metrics(path)))
     labels = run_labels(out_dirs)
-    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), 3.5))
+    height = 3.5 if len(runs) == 1 else 3.5 + 0.3 * len(runs)  # room for the legend below
+    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), height))
     for ax, (key, title) in zip(axes, PLOT_PANELS):
         for (out_dir, rows), label in zip(runs, labels):
             xs = plot_x(rows, x, out_dir)
@@ -1397,9 +1398,14 @@ def plot(out_dirs: list[str], x: str = "step", png: str | None = None) -> str:
                 ax.plot(*zip(*pts), marker="o" if key.startswith("val") else None, markersize=3, label=label)
         ax.set_title(title)
         ax.set_xlabel(PLOT_X[x])
-        if len(runs) > 1 or ax is axes[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))  # 175,000 samples as 1.75e5
+    if len(runs) == 1:
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+    else:  # one legend for all panels, below them: the labels can be long
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="lower center", fontsize=8)
+        fig.tight_layout(rect=(0, 0.06 * len(runs), 1, 1))
     if png is None and len(runs) == 1:
         png = os.path.join(out_dirs[0], "metrics.png")
     elif png is None:

@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+import checkpoint
 import model as M
 import parallel
 
@@ -170,15 +171,15 @@ def main(mode, ckpt_dir, out):
                        ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=15)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: a wrong gradient scale would show
         T.update_policy(model, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg,
-                        dims, on_policy=False)
+                        dims)
     elif mode == "save":  # one step, then a checkpoint
         import train_dapo as T
         train_steps(model, opt, dims, steps=1)
-        export = lambda tmp: T.export_hf(model, tmp, dims, torch.float32)  # noqa: E731
+        export = lambda tmp: checkpoint.export_hf(model, tmp, dims, torch.float32)  # noqa: E731
         state = {"step": 1, "scheduler": {}, "sampler": {}}
-        parallel.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, state, dims, export)
+        checkpoint.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, state, dims, export)
     elif mode == "load":  # resume that checkpoint, one more step (uses the restored Adam moments)
-        result["state"] = parallel.load_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, dims)
+        result["state"] = checkpoint.load_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, dims)
         train_steps(model, opt, dims, steps=1)
     result["params"] = full_params(model)
     if dims.is_main:

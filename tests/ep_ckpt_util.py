@@ -2,8 +2,8 @@
 under torchrun (CPU processes, gloo) it runs its jobs in order, each on a fresh model loaded from MODEL_DIR:
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/ep_ckpt_util.py MODEL_DIR OUT.pt \
         save:2:CKPT load:1:OTHER_CKPT
-  save:EP:PATH  SAVE_AT AdamW steps at ep_size EP (FSDP over all ranks), then parallel.save_checkpoint to PATH
-  load:EP:PATH  parallel.load_checkpoint from PATH at ep_size EP
+  save:EP:PATH  SAVE_AT AdamW steps at ep_size EP (FSDP over all ranks), then checkpoint.save_checkpoint to PATH
+  load:EP:PATH  checkpoint.load_checkpoint from PATH at ep_size EP
 and after each records the full parameters and AdamW states, takes one more step and records the parameters again;
 rank 0 saves the list of records. In one process (tests) run_job gives the same record at world size 1."""
 import os
@@ -12,9 +12,9 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
+import checkpoint
 import model as M
 import parallel
-import train_dapo as T
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dist_check  # noqa: E402
@@ -61,10 +61,10 @@ def run_job(model_dir: str, job: str) -> dict:
     if action == "save":
         adamw_steps(model, opt, dims, SAVE_AT)
         state = {"step": SAVE_AT, "scheduler": {}, "sampler": {}}
-        export = lambda tmp: T.export_hf(model, tmp, dims, torch.float32)  # noqa: E731  (as train_dapo.save)
-        parallel.save_checkpoint(path, model, opt, state, dims, export)
+        export = lambda tmp: checkpoint.export_hf(model, tmp, dims, torch.float32)  # noqa: E731  (as train_dapo.save)
+        checkpoint.save_checkpoint(path, model, opt, state, dims, export)
     elif action == "load":
-        state = parallel.load_checkpoint(path, model, opt, dims)
+        state = checkpoint.load_checkpoint(path, model, opt, dims)
     else:
         raise ValueError(f"job {job!r}: the action must be save or load")
     record = {"job": job, "world_size": dims.world_size, "step": state["step"], "experts": expert_layout(model),

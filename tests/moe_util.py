@@ -15,6 +15,8 @@ import model as M
 TINY_MOE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=5, num_experts_per_tok=2,
                 max_position_embeddings=128)
+# tests/test_ep.py, tests/test_ep_checkpoint.py: TINY_MOE with 8 experts (ep 2 and 4 divide them)
+EP_MOE = dict(vocab_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
 
 
 def hf_moe_model(seed=0, **overrides):

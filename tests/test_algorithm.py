@@ -24,7 +24,7 @@ def test_grpo_advantages_hand_values():
 def test_filter_groups_keeps_varying_groups_and_singletons():
     metric = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])
-    assert T.filter_groups(metric, groups).tolist() == [False, False, True, True, False, False, True]
+    assert T.varying_groups(metric, groups).tolist() == [False, False, True, True, False, False, True]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -39,26 +39,26 @@ def test_filter_groups_drops_constant_groups_of_any_value_exactly(dtype):
         for size in sizes:
             metric = torch.full((size,), v, dtype=dtype)
             std_keeps_one |= bool(np.std(metric.numpy()) > 0) or bool(metric.std() > 0)
-            assert not T.filter_groups(metric, torch.zeros(size, dtype=torch.long)).any(), (v, size)
+            assert not T.varying_groups(metric, torch.zeros(size, dtype=torch.long)).any(), (v, size)
     assert std_keeps_one, "no constant group had a positive float std: the cases do not test the rounding"
     a = torch.tensor(0.37, dtype=dtype)
     metric = torch.stack([a, a, torch.nextafter(a, torch.tensor(1.0, dtype=dtype)), a, a, a, a])
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])  # differs by one ulp | constant | a group of one
-    assert T.filter_groups(metric, groups).tolist() == [True, True, True, False, False, False, True]
+    assert T.varying_groups(metric, groups).tolist() == [True, True, True, False, False, False, True]
 
 
 def test_kl_penalty_hand_values():
     lp, ref = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
-    assert torch.allclose(T.kl_penalty(lp, ref, "kl"), torch.tensor([1.0, -2.0]))
-    assert torch.allclose(T.kl_penalty(lp, ref, "abs"), torch.tensor([1.0, 2.0]))
-    assert torch.allclose(T.kl_penalty(lp, ref, "mse"), torch.tensor([0.5, 2.0]))
+    assert torch.allclose(T.token_kl(lp, ref, "kl"), torch.tensor([1.0, -2.0]))
+    assert torch.allclose(T.token_kl(lp, ref, "abs"), torch.tensor([1.0, 2.0]))
+    assert torch.allclose(T.token_kl(lp, ref, "mse"), torch.tensor([0.5, 2.0]))
     # k3: k = ref - lp; exp(k) - k - 1
-    assert torch.allclose(T.kl_penalty(lp, ref, "low_var_kl"),
+    assert torch.allclose(T.token_kl(lp, ref, "low_var_kl"),
                           torch.tensor([math.exp(-1) + 1 - 1, math.exp(2) - 2 - 1]))
     # clamps: k to [-20, 20], the result to [-10, 10]
-    assert T.kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl").item() == 10.0
+    assert T.token_kl(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl").item() == 10.0
     with pytest.raises(ValueError, match="unknown KL type"):
-        T.kl_penalty(lp, ref, "k4")
+        T.token_kl(lp, ref, "k4")
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])

@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
+import config
 import train_dapo as T
-from test_reliability import ROOT, args, metrics
+from conftest import ROOT, run_metrics, trainer_argv
 
 STEPS = 4  # save_freq=2: a checkpoint every other step, rounds asked ahead on the steps between
 
@@ -24,8 +25,8 @@ def torchrun(tiny_dir, out, nproc, rollout_gpus, fault=None, steps=STEPS, **over
         env["NANODAPO_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(29000 + (os.getpid() + hash(str(out))) % 1000), os.path.join(ROOT, "train_dapo.py"), "--",
-           *args(tiny_dir, out, **{"total_training_steps": steps, "save_freq": 2, "rollout_gpus": rollout_gpus,
-                                   **over})]
+           *trainer_argv(tiny_dir, out, **{"total_training_steps": steps, "save_freq": 2,
+                                           "rollout_gpus": rollout_gpus, **over})]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -57,16 +58,18 @@ def layout(request):
 def uninterrupted(tiny_dir, tmp_path_factory, layout):
     out = tmp_path_factory.mktemp("async_ref") / "run"
     finish(torchrun(tiny_dir, out, *layout))
-    return metrics(out)
+    return run_metrics(out)
 
 
+@pytest.mark.slow  # torchrun of train_dapo.py
 def test_async_run_is_deterministic_and_stays_within_the_staleness_bound(tiny_dir, tmp_path, layout, uninterrupted):
     assert [r["step"] for r in uninterrupted] == list(range(STEPS + 1))
     check_rounds(uninterrupted)
     finish(torchrun(tiny_dir, tmp_path / "again", *layout))
-    assert metrics(tmp_path / "again") == uninterrupted
+    assert run_metrics(tmp_path / "again") == uninterrupted
 
 
+@pytest.mark.slow  # torchrun of train_dapo.py
 def test_kill_9_then_resume_reproduces_the_uninterrupted_async_run(tiny_dir, tmp_path, layout, uninterrupted):
     out = tmp_path / "run"
     p = torchrun(tiny_dir, out, *layout, fault="update:3")  # killed after step 3's update, rounds in flight
@@ -75,9 +78,10 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_async_run(tiny_dir, tmp
     assert sorted(os.listdir(out / "checkpoints")) == ["step_2"]
     log = finish(torchrun(tiny_dir, out, *layout))
     assert "resumed from" in log and "step_2 at step 2" in log
-    assert metrics(out) == uninterrupted
+    assert run_metrics(out) == uninterrupted
 
 
+@pytest.mark.slow  # torchrun of train_dapo.py
 def test_sigterm_checkpoints_on_all_ranks_and_the_resume_skips_no_prompt(tiny_dir, tmp_path):
     out = tmp_path / "run"
     p = torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0)  # a round is out while steps 1-5 train
@@ -89,16 +93,16 @@ def test_sigterm_checkpoints_on_all_ranks_and_the_resume_skips_no_prompt(tiny_di
     for pid in workers:  # as a cluster scheduler does: every process of the job
         os.kill(int(pid), signal.SIGTERM)
     assert "stopped by signal" in finish(p)
-    stopped_at = max(r["step"] for r in metrics(out))
+    stopped_at = max(r["step"] for r in run_metrics(out))
     assert stopped_at < 6 and (out / "checkpoints" / f"step_{stopped_at}" / "COMPLETE").exists()
     finish(torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0))
-    rows = metrics(out)
+    rows = run_metrics(out)
     assert [r["step"] for r in rows] == list(range(7))
     check_rounds(rows)  # the round in flight at the stop was drawn again after the resume, not lost
 
 
 def test_rollout_gpus_must_leave_trainer_ranks(tiny_dir, tmp_path, capsys):
-    assert T.main(args(tiny_dir, tmp_path / "run", rollout_gpus=1)) == 2  # one process: no rank left to train
+    assert T.main(trainer_argv(tiny_dir, tmp_path / "run", rollout_gpus=1)) == 2  # one process: no rank left to train
     assert "rollout_gpus=1 must be < the world size 1" in capsys.readouterr().err
 
 
@@ -113,7 +117,7 @@ def test_async_config_errors(world, over, msg):
     cfg = T.Config(train_batch_size=4, gen_batch_size=4, n=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1,
                    **over)
     with pytest.raises(T.ConfigError, match=msg):
-        T.validate(cfg, world_size=world, check_files=False)
+        config.check_config(cfg, world_size=world, check_files=False)
 
 
 @pytest.mark.parametrize("save_freq,total,step,expected", [
@@ -123,7 +127,7 @@ def test_async_config_errors(world, over, msg):
 ])
 def test_rounds_ahead_leave_none_out_at_a_checkpoint(save_freq, total, step, expected):
     cfg = T.Config(save_freq=save_freq, max_staleness=2 if save_freq == 5 else 1)
-    assert T.rounds_ahead(cfg, step, total) == expected
+    assert T.gen_batches_ahead(cfg, step, total) == expected
 
 
 def test_rejection_mask_and_the_async_tis_default():

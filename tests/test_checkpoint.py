@@ -1,4 +1,4 @@
-"""parallel.py's checkpoints in one process on the CPU: a saved checkpoint checks out and resumes exactly; each kind
+"""checkpoint.py's checkpoints in one process on the CPU: a saved checkpoint checks out and resumes exactly; each kind
 of damage (truncated shard, missing or corrupt file) is named by checkpoint_problem and stops load_checkpoint
 before it touches the model; a full disk leaves no partial directory and older checkpoints intact."""
 import errno
@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import model as M
 import parallel
 
@@ -28,7 +29,7 @@ def trained(seed=0):
 
 
 def save(path, model, opt, state=STATE):
-    parallel.save_checkpoint(str(path), model, opt, state, DIMS, export=lambda tmp: M.save_pretrained(model, tmp))
+    checkpoint.save_checkpoint(str(path), model, opt, state, DIMS, export=lambda tmp: M.save_pretrained(model, tmp))
 
 
 def snapshot(model):
@@ -48,11 +49,11 @@ def test_saved_checkpoint_checks_out_and_resumes_exactly(tmp_path):
     torch.manual_seed(123)
     save(ckpt, model, opt)
     expected_draw = torch.rand(4)  # what the generator gives right after the save
-    assert parallel.checkpoint_problem(str(ckpt)) is None
+    assert checkpoint.checkpoint_problem(str(ckpt)) is None
     assert sorted(os.listdir(ckpt)) == ["COMPLETE", "config.json", "dcp", "model.safetensors", "trainer_state.pt"]
     fresh, fresh_opt = trained(seed=1)
     torch.manual_seed(0)
-    state = parallel.load_checkpoint(str(ckpt), fresh, fresh_opt, DIMS)
+    state = checkpoint.load_checkpoint(str(ckpt), fresh, fresh_opt, DIMS)
     assert state == STATE
     assert torch.equal(torch.rand(4), expected_draw)
     for k, v in model.state_dict().items():
@@ -93,7 +94,7 @@ DAMAGE = {  # what is done to a good checkpoint -> the exact reason, or its star
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_checkpoint_problem_names_the_damage(ckpt, damage):
     reason = DAMAGE[damage](ckpt)
-    problem = parallel.checkpoint_problem(str(ckpt))
+    problem = checkpoint.checkpoint_problem(str(ckpt))
     assert problem is not None and problem.startswith(reason), problem
     assert "\n" not in problem
 
@@ -103,8 +104,8 @@ def test_failed_load_leaves_model_and_optimizer_unchanged(ckpt, damage):
     reason = DAMAGE[damage](ckpt)
     model, opt = trained(seed=1)
     before, opt_before = snapshot(model), {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
-    with pytest.raises(parallel.CheckpointError, match=f"checkpoint {ckpt}: ") as e:
-        parallel.load_checkpoint(str(ckpt), model, opt, DIMS)
+    with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {ckpt}: ") as e:
+        checkpoint.load_checkpoint(str(ckpt), model, opt, DIMS)
     assert e.value.reason.startswith(reason)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -117,10 +118,10 @@ def test_shard_bytes_corrupted_in_place_raise_checkpoint_error(ckpt):
     becomes a CheckpointError with a one-line cause."""
     f = ckpt / "dcp" / "__0_0.distcp"
     f.write_bytes(bytes(os.path.getsize(f)))
-    assert parallel.checkpoint_problem(str(ckpt)) is None
+    assert checkpoint.checkpoint_problem(str(ckpt)) is None
     model, opt = trained(seed=1)
-    with pytest.raises(parallel.CheckpointError) as e:
-        parallel.load_checkpoint(str(ckpt), model, opt, DIMS)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_checkpoint(str(ckpt), model, opt, DIMS)
     assert e.value.reason.startswith("dcp: UnpicklingError") and "\n" not in e.value.reason
 
 
@@ -138,13 +139,13 @@ def test_full_disk_removes_the_partial_checkpoint_and_keeps_older_ones(ckpt, mon
     else:
         export = enospc
     new = root / "step_4"
-    with pytest.raises(parallel.CheckpointError) as e:
-        parallel.save_checkpoint(str(new), model, opt, {**STATE, "step": 4}, DIMS, export=export)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save_checkpoint(str(new), model, opt, {**STATE, "step": 4}, DIMS, export=export)
     assert "No space left on device" in str(e.value) and str(new) in str(e.value)
     assert sorted(os.listdir(root)) == ["step_3"]  # no step_4, no step_4.tmp
     monkeypatch.undo()
-    assert parallel.checkpoint_problem(str(ckpt)) is None
-    assert parallel.complete_checkpoints(str(root)) == [str(ckpt)]
+    assert checkpoint.checkpoint_problem(str(ckpt)) is None
+    assert checkpoint.complete_checkpoints(str(root)) == [str(ckpt)]
 
 
 def test_other_write_errors_are_named_too(tmp_path):
@@ -152,15 +153,15 @@ def test_other_write_errors_are_named_too(tmp_path):
 
     def export(tmp):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
-    with pytest.raises(parallel.CheckpointError, match=r"writing .*step_1.tmp failed \(OSError: \[Errno 5\]"):
-        parallel.save_checkpoint(str(tmp_path / "step_1"), model, opt, STATE, DIMS, export=export)
+    with pytest.raises(checkpoint.CheckpointError, match=r"writing .*step_1.tmp failed \(OSError: \[Errno 5\]"):
+        checkpoint.save_checkpoint(str(tmp_path / "step_1"), model, opt, STATE, DIMS, export=export)
     assert os.listdir(tmp_path) == []
 
 
 def test_save_refuses_a_trainer_state_a_resume_could_not_use(tmp_path):
     model, opt = trained()
     with pytest.raises(ValueError, match="trainer_state lacks sampler"):
-        parallel.save_checkpoint(str(tmp_path / "step_1"), model, opt, {"step": 1, "scheduler": {}}, DIMS)
+        checkpoint.save_checkpoint(str(tmp_path / "step_1"), model, opt, {"step": 1, "scheduler": {}}, DIMS)
     assert os.listdir(tmp_path) == []
 
 
@@ -170,7 +171,7 @@ def test_complete_checkpoints_newest_first_and_pruning(tmp_path):
         save(tmp_path / f"step_{step}", model, opt, {**STATE, "step": step})
     (tmp_path / "step_11.tmp").mkdir()  # an interrupted write
     (tmp_path / "step_12").mkdir()  # no COMPLETE marker
-    assert parallel.complete_checkpoints(str(tmp_path)) == [str(tmp_path / f"step_{s}") for s in (10, 2, 1)]
-    parallel.prune_checkpoints(str(tmp_path), keep_last=2, dims=DIMS)
+    assert checkpoint.complete_checkpoints(str(tmp_path)) == [str(tmp_path / f"step_{s}") for s in (10, 2, 1)]
+    checkpoint.prune_checkpoints(str(tmp_path), keep_last=2, dims=DIMS)
     assert sorted(os.listdir(tmp_path)) == ["step_10", "step_11.tmp", "step_12", "step_2"]
     assert json.loads((tmp_path / "step_10" / "config.json").read_text())["hidden_size"] == 32

@@ -8,20 +8,20 @@ import os
 
 import pytest
 
+import config
 import model as M
 import plan
 import train_dapo as T
+from conftest import ROOT, GiB, plan_bytes, planner_cfg, planner_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
-GiB = 2**30
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_parses_and_validates_at_its_world_size(path):
-    cfg, flags = T.parse_args([path])
+    cfg, flags = T.parse_args(T.Config, [path])
     assert not flags["dry_run"]
-    T.validate(cfg, world_size=cfg.nnodes * cfg.n_gpus_per_node, check_files=False)
+    config.check_config(cfg, world_size=cfg.nnodes * cfg.n_gpus_per_node, check_files=False)
 
 
 def test_recipe_configs_exist():
@@ -31,10 +31,10 @@ def test_recipe_configs_exist():
 
 
 def test_qwen32b_batch_arithmetic_at_128_gpus():
-    cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen32b.py")])
+    cfg, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "qwen32b.py")])
     assert cfg.nnodes * cfg.n_gpus_per_node == 128
-    a = T.batch_arithmetic(cfg, 128)
-    assert a["prompts_per_generation_round"] == 1536  # gen_batch_size = 3 x 512
+    a = plan.batch_arithmetic(cfg, 128)
+    assert a["prompts_per_gen_batch"] == 1536  # gen_batch_size = 3 x 512
     assert a["trajectories_per_step"] == 8192  # 512 groups x 16
     assert a["optimizer_steps_per_step"] == 16  # 512 / 32 groups per mini-batch, 1 epoch
     assert a["per_rank_mini_batch"] == 32  # 32 x 16 / dp 16 (128 GPUs = dp 16 x sp 8: an SP group shares data)
@@ -43,7 +43,7 @@ def test_qwen32b_batch_arithmetic_at_128_gpus():
 @pytest.mark.parametrize("path", [p for p in CONFIGS if os.path.basename(p) != "tiny.py"], ids=os.path.basename)
 def test_recipe_model_is_known_to_the_planner(path):
     """--dry_run plans without the model present: the model directory's name is a KNOWN_CONFIGS key."""
-    cfg, _ = T.parse_args([path])
+    cfg, _ = T.parse_args(T.Config, [path])
     assert os.path.basename(cfg.model_path.rstrip("/")).lower() in M.KNOWN_CONFIGS
 
 
@@ -66,36 +66,16 @@ def test_known_configs_architecture_details():
 
 
 # -----------------------------------------------------------------------------
-# memory_plan on a tiny Qwen2-shaped model, every number by hand
-#
-# hidden 64, intermediate 128, 2 layers, 4 heads x 16 (q 64), 2 kv heads (kv 32), vocab 1000, untied, q/k/v biases.
-# per block, TP-sharded: q 64*64 + k,v 2*64*32 + o 64*64 + biases 64+32+32 + gate/up/down 3*64*128 = 36,992
-#            replicated: two norms 2*64 = 128                                        block = 37,120
-# root (replicated over TP): embeddings + lm_head 2*1000*64 + final norm 64 = 128,064
-# P = 2 * 37,120 + 128,064 = 202,304
-
-
-def tiny_model():
-    return M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-
-
-def tiny_cfg(**kw):
-    base = dict(max_prompt_length=16, max_response_length=48, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
-                logprob_chunk=16, max_num_seqs=8, n=4, gradient_checkpointing=True, tp_size=2)
-    return T.Config(**{**base, **kw})
-
-
-def plan_bytes(plan):
-    return {k: round(v * GiB) for k, v in plan["gib"].items()}
+# memory_plan on a tiny Qwen2-shaped model, every number by hand: conftest.planner_model (its parameter count is
+# worked out there) under conftest.planner_cfg
 
 
 def test_tiny_model_parameter_count():
-    assert tiny_model().num_params() == 202_304
+    assert planner_model().num_params() == 202_304
 
 
 def test_memory_plan_dp4_tp2_by_hand():
-    b = plan_bytes(plan.memory_plan(tiny_cfg(), tiny_model(), world_size=8, gpu_gib=80, runtime_gib=0))
+    b = plan_bytes(plan.memory_plan(planner_cfg(), planner_model(), world_size=8, gpu_gib=80, runtime_gib=0))
     # one GPU holds 1/8 of the TP-sharded weights and 1/4 of the rest: 2*36,992/8 + (202,304 - 73,984)/4 = 41,328
     assert b["params"] == 4 * 41_328 == 165_312
     assert b["grads"] == 165_312
@@ -113,7 +93,7 @@ def test_memory_plan_dp4_tp2_by_hand():
 
 
 def test_memory_plan_peak_is_resident_plus_larger_phase_and_verdict_flips():
-    cfg, mc = tiny_cfg(), tiny_model()
+    cfg, mc = planner_cfg(), planner_model()
     resident = 4 * 165_312 + 404_608  # params, grads, AdamW (2x), engine copy
     training = 586_752 + 262_144 + 192_000  # working weights, activations, log-prob buffer
     peak = resident + max(training, 131_072)
@@ -130,21 +110,21 @@ def test_memory_plan_peak_is_resident_plus_larger_phase_and_verdict_flips():
 
 
 def test_memory_plan_offload_moves_states_to_the_host():
-    b0 = plan.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0)
-    p = plan.memory_plan(tiny_cfg(param_offload=True, optimizer_offload=True), tiny_model(), 8, 80, runtime_gib=0)
+    b0 = plan.memory_plan(planner_cfg(), planner_model(), 8, 80, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(param_offload=True, optimizer_offload=True), planner_model(), 8, 80, runtime_gib=0)
     assert p["gib"]["params"] == p["gib"]["grads"] == p["gib"]["optimizer"] == 0
     assert round(p["host_gib"] * GiB) == 16 * 41_328  # 4 + 4 + 8 bytes per parameter of this GPU's shard
     assert b0["host_gib"] == 0
     assert round((b0["peak_gib"] - p["peak_gib"]) * GiB) == 16 * 41_328
     # the reference model (KL loss) is a further fp32 shard, offloaded with the rest
-    r = plan.memory_plan(tiny_cfg(use_kl_loss=True, param_offload=True), tiny_model(), 8, 80, runtime_gib=0)
+    r = plan.memory_plan(planner_cfg(use_kl_loss=True, param_offload=True), planner_model(), 8, 80, runtime_gib=0)
     assert round(r["host_gib"] * GiB) == 20 * 41_328 and r["gib"]["ref_params"] == 0
 
 
 def test_memory_plan_without_checkpointing_keeps_every_block():
-    p = plan.memory_plan(tiny_cfg(gradient_checkpointing=False), tiny_model(), 8, gpu_gib=1e-4, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(gradient_checkpointing=False), planner_model(), 8, gpu_gib=1e-4, runtime_gib=0)
     assert round(p["gib"]["activations"] * GiB) == 2 * 128 * 1_792
-    p = plan.memory_plan(tiny_cfg(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=64), tiny_model(), 8,
+    p = plan.memory_plan(planner_cfg(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=64), planner_model(), 8,
                              gpu_gib=1e-4, runtime_gib=0)
     assert p["largest"] == "activations" and p["knob"] == "gradient_checkpointing=True"
 
@@ -154,40 +134,40 @@ def test_activation_estimate_matches_a_measurement():
     108,870 more bytes per token per layer at the peak of forward + backward (16384 vs 8192 tokens)."""
     mc = M.ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
-    cfg = tiny_cfg(tp_size=1, gradient_checkpointing=False, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384,
-                   max_prompt_length=16, max_response_length=16368)
+    cfg = planner_cfg(tp_size=1, gradient_checkpointing=False, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384,
+                      max_prompt_length=16, max_response_length=16368)
     p = plan.memory_plan(cfg, mc, 8, 141)
     assert p["gib"]["activations"] * GiB / (16384 * 28) == pytest.approx(108_870, rel=0.02)
 
 
 def test_memory_plan_token_budget_and_kv_knob():
     # use_dynamic_bsz: the token budget replaces micro-batch x sequence length
-    p = plan.memory_plan(tiny_cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), tiny_model(), 8, 80,
+    p = plan.memory_plan(planner_cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), planner_model(), 8, 80,
                              runtime_gib=0)
     assert round(p["gib"]["activations"] * GiB) == 256 * 64 * 2 * 2 + 256 * 1_792
     # a big KV cache: max_num_seqs is the knob; at its floor (n rows) the response length is
-    p = plan.memory_plan(tiny_cfg(max_num_seqs=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(max_num_seqs=4096), planner_model(), 8, gpu_gib=0.01, runtime_gib=0)
     assert p["largest"] == "kv_cache" and p["knob"].startswith("max_num_seqs")
-    p = plan.memory_plan(tiny_cfg(max_num_seqs=2, n=4096), tiny_model(), 8, gpu_gib=0.01, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(max_num_seqs=2, n=4096), planner_model(), 8, gpu_gib=0.01, runtime_gib=0)
     assert p["kv_rows"] == 4096 and p["knob"].startswith("max_response_length")
 
 
 def test_memory_plan_refuses_a_mesh_that_does_not_divide():
     # the tiny model has 4 query heads and 2 kv heads
     with pytest.raises(ValueError, match=r"sp_size=1 x tp_size=3 = 3 must divide the world size 8"):
-        plan.memory_plan(tiny_cfg(tp_size=3), tiny_model(), 8, 80)
+        plan.memory_plan(planner_cfg(tp_size=3), planner_model(), 8, 80)
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 must be divisible by tp_size=4"):
-        plan.memory_plan(tiny_cfg(tp_size=4), tiny_model(), 8, 80)
+        plan.memory_plan(planner_cfg(tp_size=4), planner_model(), 8, 80)
 
 
 def test_memory_plan_single_gpu_is_fsdp_over_a_mesh_of_one():
     # world size 1: FSDP over one GPU holds full fp32 params, grads and AdamW states (offload moves them to the
     # host), gathers bf16 blocks one at a time, and the built-in engine decodes its own bf16 copy
-    b = plan_bytes(plan.memory_plan(tiny_cfg(tp_size=1), tiny_model(), 1, 80, runtime_gib=0))
+    b = plan_bytes(plan.memory_plan(planner_cfg(tp_size=1), planner_model(), 1, 80, runtime_gib=0))
     assert (b["params"], b["grads"], b["optimizer"]) == (4 * 202_304, 4 * 202_304, 8 * 202_304)
     # 2 x bf16 x (root 128,064 + one whole block 37,120); the engine's copy: 2 bytes x P
     assert (b["working"], b["engine_weights"], b["kv_cache"]) == (4 * 165_184, 2 * 202_304, 526_336)
-    p = plan.memory_plan(tiny_cfg(tp_size=1, param_offload=True), tiny_model(), 1, 80, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(tp_size=1, param_offload=True), planner_model(), 1, 80, runtime_gib=0)
     assert p["gib"]["params"] == p["gib"]["grads"] == p["gib"]["optimizer"] == 0
     assert round(p["host_gib"] * GiB) == 16 * 202_304
 
@@ -195,9 +175,9 @@ def test_memory_plan_single_gpu_is_fsdp_over_a_mesh_of_one():
 def test_memory_plan_with_the_vllm_engine():
     """vLLM replaces the built-in engine's weight copy and KV cache by its awake pool (utilization x GPU), ~1 GiB
     while asleep, and one push bucket; the note gives its KV capacity in full-length sequences, by hand."""
-    cfg = tiny_cfg(gpu_memory_utilization=0.5, weight_sync_bucket_mb=1, gen_tp=2)
-    torch_plan = plan.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0)
-    p = plan.memory_plan(cfg, tiny_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
+    cfg = planner_cfg(gpu_memory_utilization=0.5, weight_sync_bucket_mb=1, gen_tp=2)
+    torch_plan = plan.memory_plan(cfg, planner_model(), 8, gpu_gib=80, runtime_gib=0)
+    p = plan.memory_plan(cfg, planner_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
     g = p["gib"]
     assert (g["engine_weights"], g["kv_cache"], g["vllm_asleep"], g["vllm_awake"]) == (0, 0, 1.0, 40.0)
     # one bucket, plus the largest parameter gathered whole before it is cut up (lm_head, 1000 x 64 in bf16)
@@ -213,8 +193,8 @@ def test_memory_plan_with_the_vllm_engine():
 def test_memory_plan_of_an_engine_that_stays_awake():
     """free_cache_engine=False: vLLM's pool (or the built-in engine's KV cache) is resident through training."""
     for engine, awake in (("vllm", "vllm_awake"), ("torch", "kv_cache")):
-        freed = plan.memory_plan(tiny_cfg(), tiny_model(), 8, gpu_gib=80, runtime_gib=0, engine=engine)
-        kept = plan.memory_plan(tiny_cfg(free_cache_engine=False), tiny_model(), 8, gpu_gib=80, runtime_gib=0,
+        freed = plan.memory_plan(planner_cfg(), planner_model(), 8, gpu_gib=80, runtime_gib=0, engine=engine)
+        kept = plan.memory_plan(planner_cfg(free_cache_engine=False), planner_model(), 8, gpu_gib=80, runtime_gib=0,
                                 engine=engine)
         asleep = freed["gib"]["vllm_asleep"]
         assert kept["phase"][awake] == "resident" and kept["gib"]["vllm_asleep"] == 0
@@ -227,15 +207,15 @@ def test_memory_plan_of_an_engine_that_stays_awake():
         # the plan of the default (freed) names the other choice and what it would take, "auto" planned for it
         note = next(n for n in freed["notes"] if n.startswith("free_cache_engine=False"))
         assert f"fits: peak {kept['peak_gib']:.1f} GiB, gradient_checkpointing True" in note
-    mc = dataclasses.replace(tiny_model(), num_hidden_layers=8)  # "auto" is planned for the awake engine too
-    awake = [plan.memory_plan(tiny_cfg(gradient_checkpointing=n, free_cache_engine=False), mc, 8, 80, 0)["peak_gib"]
+    mc = dataclasses.replace(planner_model(), num_hidden_layers=8)  # "auto" is planned for the awake engine too
+    awake = [plan.memory_plan(planner_cfg(gradient_checkpointing=n, free_cache_engine=False), mc, 8, 80, 0)["peak_gib"]
              for n in range(8)]
-    p = plan.memory_plan(tiny_cfg(gradient_checkpointing="auto"), mc, 8, (awake[2] + awake[3]) / 2 / 0.85, 0)
+    p = plan.memory_plan(planner_cfg(gradient_checkpointing="auto"), mc, 8, (awake[2] + awake[3]) / 2 / 0.85, 0)
     assert any(n.endswith(f"fits: peak {awake[3]:.1f} GiB, gradient_checkpointing 3") for n in p["notes"])
 
 
 def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
-    cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen32b.py")])
+    cfg, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "qwen32b.py")])
     mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])
     plans = [plan.memory_plan(cfg, mc, 128, g, engine="vllm") for g in (80, 141)]
     text = plan.format_memory_plan(plans)
@@ -268,8 +248,8 @@ def test_tiny_moe_parameter_counts():
 
 
 def test_memory_plan_moe_with_expert_parallelism_by_hand():
-    with_ep = plan.memory_plan(tiny_cfg(tp_size=1, ep_size=4), tiny_moe(), 8, 80, runtime_gib=0)
-    no_ep = plan.memory_plan(tiny_cfg(tp_size=1), tiny_moe(), 8, 80, runtime_gib=0)
+    with_ep = plan.memory_plan(planner_cfg(tp_size=1, ep_size=4), tiny_moe(), 8, 80, runtime_gib=0)
+    no_ep = plan.memory_plan(planner_cfg(tp_size=1), tiny_moe(), 8, 80, runtime_gib=0)
     b, b1 = plan_bytes(with_ep), plan_bytes(no_ep)
     # experts: 2 of 8 per EP rank, FSDP over the other 8 / 4 = 2 ranks: 1/8 a GPU, like every other weight
     assert b["params"] == b1["params"] == 4 * 252_288 // 8
@@ -287,14 +267,14 @@ def test_memory_plan_moe_with_expert_parallelism_by_hand():
 
 
 def test_memory_plan_moe_knobs_and_refusals():
-    p = plan.memory_plan(tiny_cfg(tp_size=1), tiny_moe(), 8, gpu_gib=1e-5, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(tp_size=1), tiny_moe(), 8, gpu_gib=1e-5, runtime_gib=0)
     assert p["largest"] == "working" and p["knob"].startswith("ep_size")  # all experts gathered on every GPU
     with pytest.raises(ValueError, match=r"ep_size=4 must divide the dp x sp = 6 ranks"):
-        plan.memory_plan(tiny_cfg(tp_size=1, ep_size=4), tiny_moe(), 6, 80)
+        plan.memory_plan(planner_cfg(tp_size=1, ep_size=4), tiny_moe(), 6, 80)
     with pytest.raises(ValueError, match=r"ep_size=4 must divide num_experts=0"):
-        plan.memory_plan(tiny_cfg(tp_size=1, ep_size=4), tiny_model(), 8, 80)
+        plan.memory_plan(planner_cfg(tp_size=1, ep_size=4), planner_model(), 8, 80)
     # vLLM whose weights alone exceed gpu_memory_utilization x GPU x gen_tp: does not fit, turn gen_tp
-    p = plan.memory_plan(tiny_cfg(tp_size=1, gen_tp=1), tiny_moe(), 8, gpu_gib=252_288 * 2 / GiB, runtime_gib=0,
+    p = plan.memory_plan(planner_cfg(tp_size=1, gen_tp=1), tiny_moe(), 8, gpu_gib=252_288 * 2 / GiB, runtime_gib=0,
                          engine="vllm")
     assert p["verdict"] == "does not fit" and p["knob"].startswith("gen_tp")
 
@@ -302,7 +282,7 @@ def test_memory_plan_moe_knobs_and_refusals():
 def test_qwen3_235b_recipe_plan():
     """256 GPUs = dp 32 x sp 8, EP 8 within each node: fits 141 GiB GPUs with room for the vLLM KV cache; on 80 GiB
     GPUs the engines hold fewer full-length sequences than a group of n (the header says so)."""
-    cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "qwen3_235b_dapo.py")])
+    cfg, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "qwen3_235b_dapo.py")])
     mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-235b-a22b"])
     big, small = (plan.memory_plan(cfg, mc, cfg.nnodes * cfg.n_gpus_per_node, g, engine="vllm") for g in (141, 80))
     assert (big["dp"], big["sp"], big["ep"], big["world_size"]) == (32, 8, 8, 256)
@@ -313,8 +293,8 @@ def test_qwen3_235b_recipe_plan():
 
 
 def test_gradient_checkpointing_auto_checkpoints_the_fewest_blocks_that_fit_in_85_percent():
-    mc = dataclasses.replace(tiny_model(), num_hidden_layers=8)
-    cfg = functools.partial(tiny_cfg, max_num_seqs=4)  # a small KV cache: the training phase sets the peak
+    mc = dataclasses.replace(planner_model(), num_hidden_layers=8)
+    cfg = functools.partial(planner_cfg, max_num_seqs=4)  # a small KV cache: the training phase sets the peak
     peaks = [plan.memory_plan(cfg(gradient_checkpointing=n), mc, 8, gpu_gib=80, runtime_gib=0)["peak_gib"]
              for n in range(9)]
     assert all(a > b for a, b in zip(peaks[:8], peaks[1:8]))  # a checkpointed block keeps only its input, ...
@@ -333,18 +313,18 @@ def test_gradient_checkpointing_auto_checkpoints_the_fewest_blocks_that_fit_in_8
 
 
 def test_gradient_checkpointing_takes_a_block_count_up_to_the_model_depth(tiny_dir):
-    T.validate(T.Config(gradient_checkpointing=1), check_files=False)
+    config.check_config(T.Config(gradient_checkpointing=1), check_files=False)
     with pytest.raises(T.ConfigError, match=r"gradient_checkpointing=-1.*an int N"):
-        T.validate(T.Config(gradient_checkpointing=-1), check_files=False)
+        config.check_config(T.Config(gradient_checkpointing=-1), check_files=False)
     with pytest.raises(T.ConfigError, match="gradient_checkpointing=3 is more blocks than the model's 2"):
-        T.validate_model_dir(T.Config(model_path=str(tiny_dir / "model"), gradient_checkpointing=3), 1)
+        config.check_model_dir(T.Config(model_path=str(tiny_dir / "model"), gradient_checkpointing=3), 1)
 
 
 def test_memory_plan_of_an_asynchronous_run_puts_the_engine_on_the_generator_gpus():
     mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-7b"])  # 28 layers, 4 kv heads of 128
     cfg = dict(tp_size=1, max_num_seqs=256, max_prompt_length=1024, max_response_length=3072)
-    colocated = plan.memory_plan(tiny_cfg(**cfg), mc, 1, 141, runtime_gib=0)
-    p = plan.memory_plan(tiny_cfg(**cfg, rollout_gpus=1), mc, 1, 141, runtime_gib=0)
+    colocated = plan.memory_plan(planner_cfg(**cfg), mc, 1, 141, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(**cfg, rollout_gpus=1), mc, 1, 141, runtime_gib=0)
     assert p["gib"]["engine_weights"] == p["gib"]["kv_cache"] == 0 and colocated["gib"]["kv_cache"] > 0
     # rows x positions (a row reads 4095, rounded up to 4096, + 1) x layers x (k, v) x kv heads x head_dim x bf16
     kv = 256 * 4097 * 28 * 2 * 4 * 128 * 2

@@ -13,18 +13,16 @@ import parallel
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 import dist_check  # noqa: E402
-from test_parallel import max_diff, torchrun  # noqa: E402
+from conftest import max_diff, torchrun_dist_check  # noqa: E402
 
 pytest.importorskip("transformers")
-from moe_util import save_hf_moe  # noqa: E402
-
-MOE = dict(vocab_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)  # 8 experts: ep 2 and 4
+from moe_util import EP_MOE, save_hf_moe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("ep") / "model"
-    save_hf_moe(path, **MOE)
+    save_hf_moe(path, **EP_MOE)
     return str(path)
 
 
@@ -57,10 +55,11 @@ def test_the_batch_reaches_every_expert_and_leaves_some_rank_without_tokens(refe
     assert (routed == 0).any()
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.parametrize("mode,nproc", [("ep2", 2), ("ep4", 4), ("ep2_fsdp", 4), ("moe_fsdp", 2), ("moe_tp", 2),
                                        ("ep2_compile", 2)])
 def test_moe_training_matches_single_process(moe_dir, reference, tmp_path, mode, nproc):
-    torchrun(nproc, mode, moe_dir, tmp_path / "out.pt")
+    torchrun_dist_check(nproc, mode, moe_dir, tmp_path / "out.pt")
     got, ref = torch.load(tmp_path / "out.pt"), reference
     assert sorted(got["logp"]) == list(range(len(dist_check.batch())))
     for i, lp in ref["logp"].items():
@@ -115,10 +114,11 @@ def test_parallel_dims_ep_layout():
     assert (d.dp, d.fsdp_size, d.efsdp_size, d.ep_rank, d.dp_rank, d.sp_rank) == (4, 8, 2, 2, 3, 0)
 
 
+@pytest.mark.slow  # torchrun
 def test_router_replay_under_sequence_parallelism_matches_one_process(moe_dir, tmp_path):
     """The replayed routing is split with the tokens (2 SP ranks, 4 odd-length documents, so the row is padded):
     log-probs and gradients equal one process replaying the same routing, which differs from the router's own."""
-    torchrun(2, "sp_replay", moe_dir, tmp_path / "out.pt")
+    torchrun_dist_check(2, "sp_replay", moe_dir, tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
     m = M.from_pretrained(moe_dir, dtype=torch.float32)
     want = dist_check.replay_forward_backward(m)

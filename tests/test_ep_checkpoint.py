@@ -4,7 +4,6 @@ with ep 4 and with ep 2 (experts also FSDP-sharded over 2); saved in one process
 saved at world 4 with ep 2 and resumed in one process. A resume holds the saved parameters and AdamW states bit for
 bit, and its next step gives the saver's next step."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,19 +14,16 @@ import model as M
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 import ep_ckpt_util  # noqa: E402
-from test_ep import MOE  # noqa: E402  (8 experts: ep 2 and 4)
-from test_parallel import max_diff  # noqa: E402
+from conftest import max_diff, torchrun_script  # noqa: E402
 
 pytest.importorskip("transformers")
-from moe_util import save_hf_moe  # noqa: E402
+from moe_util import EP_MOE, save_hf_moe  # noqa: E402
+
+pytestmark = pytest.mark.slow  # torchrun: a module fixture runs every save and resume
 
 
 def launch(nproc, model_dir, out, *jobs):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(HERE, "ep_ckpt_util.py"), str(model_dir), str(out), *jobs]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    torchrun_script(nproc, "ep_ckpt_util.py", model_dir, out, *jobs)
     return torch.load(out)
 
 
@@ -37,7 +33,7 @@ def runs(tmp_path_factory):
     launches (world 2, world 4), the world-1 runs in this process, in the order the checkpoints need."""
     root = tmp_path_factory.mktemp("ep_ckpt")
     model_dir = str(root / "model")
-    save_hf_moe(model_dir, **MOE)
+    save_hf_moe(model_dir, **EP_MOE)
     ck = {name: str(root / name) for name in ("one", "ep2", "ep2_of_4")}
     records = [ep_ckpt_util.run_job(model_dir, f"save:1:{ck['one']}")]
     records += launch(2, model_dir, root / "w2.pt", f"save:2:{ck['ep2']}", f"load:1:{ck['ep2']}",

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import train_dapo as T
+
+pytestmark = pytest.mark.slow  # demo/warmstart.py as a process, then 20 DAPO steps: minutes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

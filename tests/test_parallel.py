@@ -1,7 +1,6 @@
 """parallel.py on CPU: 2-process (gloo) FSDP2, TP and FSDP+TP runs against a single process, the
 distributed update against the single-process one, checkpoints across world sizes, device selection."""
 import os
-import subprocess
 import sys
 import types
 
@@ -14,14 +13,7 @@ import parallel
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 import dist_check  # noqa: E402
-
-
-def torchrun(nproc, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),  # a free port
-           os.path.join(HERE, "dist_check.py"), *map(str, args)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+from conftest import max_diff, torchrun_dist_check  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +31,11 @@ def single_process(model_dir, steps=3):
     return m, opt, losses
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
-
-
+@pytest.mark.slow  # torchrun
 @pytest.mark.parametrize("mode,nproc", [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4)])
 def test_sharded_training_matches_single_process(model_dir, tmp_path, mode, nproc):
     ref, _, ref_losses = single_process(model_dir)
-    torchrun(nproc, mode, model_dir, tmp_path / "out.pt")
+    torchrun_dist_check(nproc, mode, model_dir, tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
     # 3 AdamW steps of lr 1e-2 amplify fp32 rounding (thread count changes reduction order): allow 1% of a
     # step; the per-head-norm gradient bug this caught gave 4e-2
@@ -59,7 +47,9 @@ def test_sharded_training_matches_single_process(model_dir, tmp_path, mode, npro
                              "fsdp_tp": {"a": 3.0, "b": 1.0}}[mode]
 
 
-@pytest.mark.parametrize("mode,nproc", [("update", 2), ("update_sp", 2), ("update_one", 1)])
+# update-2 is the fast tier's one distributed case (2 gloo ranks under torchrun); the others are slow
+@pytest.mark.parametrize("mode,nproc", [("update", 2), pytest.param("update_sp", 2, marks=pytest.mark.slow),
+                                        pytest.param("update_one", 1, marks=pytest.mark.slow)])
 def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode, nproc):
     """2 ranks x token-budget micro-batches give the single-process update (global token-mean); with sp=2 the
     two ranks split each micro-batch's tokens instead of the micro-batches; one rank under FSDP over a mesh of
@@ -73,18 +63,18 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode, nproc):
     cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                    ppo_micro_batch_size_per_gpu=6)
     before = {k: v.detach().clone() for k, v in m.named_parameters()}
-    T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, dims,
-                    on_policy=False)
-    torchrun(nproc, mode, model_dir, tmp_path / "out.pt")
+    T.update_policy(m, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg, dims)
+    torchrun_dist_check(nproc, mode, model_dir, tmp_path / "out.pt")
     assert max_diff(dict(m.named_parameters()), before) > 1e-3  # the step is large enough to see a scale error
     assert max_diff(dict(m.named_parameters()), torch.load(tmp_path / "out.pt")["params"]) < 1e-5
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.parametrize("save_at,load_at", [(2, 1), (1, 2)])
 def test_checkpoint_resumes_at_another_world_size(model_dir, tmp_path, save_at, load_at):
-    torchrun(save_at, "save", model_dir, tmp_path / "saved.pt")
+    torchrun_dist_check(save_at, "save", model_dir, tmp_path / "saved.pt")
     assert (tmp_path / "ckpt" / "COMPLETE").exists() and (tmp_path / "ckpt" / "config.json").exists()
-    torchrun(load_at, "load", model_dir, tmp_path / "loaded.pt")
+    torchrun_dist_check(load_at, "load", model_dir, tmp_path / "loaded.pt")
     ref, _, _ = single_process(model_dir, steps=2)  # two uninterrupted steps
     got = torch.load(tmp_path / "loaded.pt")
     assert got["state"]["step"] == 1
@@ -106,7 +96,8 @@ def test_an_explicit_device_must_exist_here(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"device='cuda' but torch sees no CUDA device.*use device='auto'"):
         parallel.device_type("cuda")
-    with pytest.raises(ValueError, match=r"device='cuda' but"):  # before any process group or device is set up
+    # before any process group or device is set up
+    with pytest.raises(ValueError, match=r"device='cuda' but torch sees no CUDA device"):
         parallel.init_distributed("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert parallel.device_type("cuda") == "cuda"
@@ -173,10 +164,11 @@ def test_clip_grad_norm_matches_torch(max_norm):
     assert parallel.clip_grad_norm_([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0
 
 
+@pytest.mark.slow  # torchrun
 def test_mesh_of_one_computes_in_bf16_over_fp32_master_weights(model_dir, tmp_path):
     """One GPU's policy (FSDP2 over a mesh of one, bf16 compute): the forward is the bf16 model's, exactly, and the
     gradients are those of the bf16 model, kept in fp32 on the fp32 master parameters."""
-    torchrun(1, "bf16_one", model_dir, tmp_path / "out.pt")
+    torchrun_dist_check(1, "bf16_one", model_dir, tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
     ref = M.from_pretrained(str(model_dir), dtype=torch.bfloat16)
     want = dist_check.forward_backward(ref, types.SimpleNamespace(world_size=1))

@@ -15,24 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file, save_file
 
+import checkpoint
 import data
-import parallel
 import train_dapo as T
-from conftest import make_model_dir
+from conftest import ROOT, make_model_dir, run_metrics, trainer_argv
 from tools import prepare_data
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-TINY = dict(max_prompt_length=64, max_response_length=12, overlong_buffer_len=6, train_batch_size=2,
-            gen_batch_size=3, n=4, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=2,
-            filter_groups_metric="seq_reward", temperature=1.5, lr=1e-3, test_freq=2, save_freq=1,
-            reward_num_workers=0, cpu_threads=1, val_max_samples=4, max_num_gen_batches=20, logger=["jsonl"])
-
-
-def args(tiny_dir, out, **over):
-    kv = {"model_path": str(tiny_dir / "model"), "train_files": [str(tiny_dir / "train.parquet")],
-          "val_files": [str(tiny_dir / "val.parquet")], "out_dir": str(out), **TINY, **over}
-    return [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}" for k, v in kv.items()]
 
 
 def write_rows(path, rows):
@@ -257,7 +244,7 @@ BAD_INPUTS = [
 def test_bad_input_gives_one_clear_message(tiny_dir, tmp_path, capsys, name, make, message):
     over = make(tiny_dir, tmp_path)
     out = over.pop("out_dir", str(tmp_path / "run"))
-    rc = T.main(args(tiny_dir, out, **{"total_training_steps": 1, **over}))
+    rc = T.main(trainer_argv(tiny_dir, out, **{"total_training_steps": 1, **over}))
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.startswith("error: ")
@@ -269,27 +256,29 @@ def test_bad_input_gives_one_clear_message(tiny_dir, tmp_path, capsys, name, mak
 
 def test_resume_from_a_different_model_shape(tiny_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    assert T.main(args(tiny_dir, run, total_training_steps=1)) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1)) == 0
     bigger = make_model_dir(tmp_path / "bigger", hidden=48)
-    rc = T.main(args(tiny_dir, run, total_training_steps=2, model_path=str(bigger)))
+    rc = T.main(trainer_argv(tiny_dir, run, total_training_steps=2, model_path=str(bigger)))
     err = capsys.readouterr().err
     assert rc == 2 and "different model (hidden_size: checkpoint 32 vs model_path 48" in err
     assert (run / "checkpoints" / "step_1" / "COMPLETE").exists()  # nothing saved was lost
 
 
+@pytest.mark.slow  # restarts timed-out reward workers
 def test_hanging_reward_times_out_and_the_run_continues(tiny_dir, tmp_path):
     fn = reward_file(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                "    if solution_str.count('1') % 3 == 0:\n        time.sleep(60)\n"
                                "    return float(len(solution_str) % 2)\n")
-    assert T.main(args(tiny_dir, tmp_path / "run", total_training_steps=1, reward_fn=fn, reward_num_workers=2,
-                       reward_timeout=0.5, filter_groups_metric="score", val_files=[])) == 0
+    assert T.main(trainer_argv(tiny_dir, tmp_path / "run", total_training_steps=1, reward_fn=fn,
+                               reward_num_workers=2, reward_timeout=0.5, filter_groups_metric="score",
+                               val_files=[])) == 0
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["reward/num_timeouts"] > 0
 
 
 def test_repeated_non_finite_updates_stop_the_run(tiny_dir, tmp_path, capsys):
-    rc = T.main(args(tiny_dir, tmp_path / "run", total_training_steps=6, lr=1e30, max_consecutive_skips=2,
-                     val_files=[], filter_groups=False, gen_batch_size=2))
+    rc = T.main(trainer_argv(tiny_dir, tmp_path / "run", total_training_steps=6, lr=1e30, max_consecutive_skips=2,
+                             val_files=[], filter_groups=False, gen_batch_size=2))
     err = capsys.readouterr().err
     assert rc == 3 and "2 steps in a row had a non-finite loss" in err
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -305,14 +294,9 @@ def launch(tiny_dir, out, fault=None, steps=3, **over):
     env.pop("NANODAPO_FAULT", None)
     if fault:
         env["NANODAPO_FAULT"] = fault
-    cmd = [sys.executable, os.path.join(ROOT, "train_dapo.py"), *args(tiny_dir, out, total_training_steps=steps,
-                                                                         **over)]
+    cmd = [sys.executable, os.path.join(ROOT, "train_dapo.py"),
+           *trainer_argv(tiny_dir, out, total_training_steps=steps, **over)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def metrics(out):
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -320,9 +304,10 @@ def uninterrupted(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "run"
     p = launch(tiny_dir, out)
     assert p.wait(timeout=300) == 0, p.stdout.read()
-    return metrics(out)
+    return run_metrics(out)
 
 
+@pytest.mark.slow  # python train_dapo.py
 @pytest.mark.parametrize("fault,last_complete", [
     ("gen:1", 1),  # killed while generating step 2
     ("update:2", 1),  # killed after step 2's update, before its checkpoint
@@ -340,9 +325,10 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, tmp_path,
     log = p.stdout.read()
     assert p.wait(timeout=300) == 0, log
     assert f"resumed from {ckpts / f'step_{last_complete}'}" in log
-    assert metrics(out) == uninterrupted
+    assert run_metrics(out) == uninterrupted
 
 
+@pytest.mark.slow  # python train_dapo.py
 @pytest.mark.parametrize("garble", ["dcp", "config.json", "trainer_state.pt"])
 def test_corrupt_checkpoint_is_skipped_with_a_message(tiny_dir, tmp_path, uninterrupted, garble):
     out = tmp_path / "run"
@@ -354,9 +340,10 @@ def test_corrupt_checkpoint_is_skipped_with_a_message(tiny_dir, tmp_path, uninte
     log = p.stdout.read()
     assert p.wait(timeout=300) == 0, log
     assert "step_2 is unusable" in log and "resumed from" in log and "step_1 at step 1" in log
-    assert metrics(out) == uninterrupted
+    assert run_metrics(out) == uninterrupted
 
 
+@pytest.mark.slow  # python train_dapo.py
 def test_sigterm_checkpoints_and_exits_zero_then_resumes(tiny_dir, tmp_path, uninterrupted):
     out = tmp_path / "run"
     p = launch(tiny_dir, out, save_freq=0)
@@ -371,9 +358,10 @@ def test_sigterm_checkpoints_and_exits_zero_then_resumes(tiny_dir, tmp_path, uni
     p = launch(tiny_dir, out, save_freq=0)
     log = p.stdout.read()
     assert p.wait(timeout=300) == 0, log
-    assert metrics(out) == uninterrupted
+    assert run_metrics(out) == uninterrupted
 
 
+@pytest.mark.slow  # python train_dapo.py
 def test_keep_last_prunes_only_after_a_new_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
     assert launch(tiny_dir, out, keep_last=1).wait(timeout=300) == 0
@@ -386,10 +374,10 @@ def test_keep_last_prunes_only_after_a_new_checkpoint(tiny_dir, tmp_path):
 
 def test_unusable_trainer_state_and_no_older_checkpoint_stops_with_what_was_tried(tiny_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    assert T.main(args(tiny_dir, run, total_training_steps=1)) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1)) == 0
     (run / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"not a pickle")
     before = (run / "metrics.jsonl").read_text()
-    rc = T.main(args(tiny_dir, run, total_training_steps=2))
+    rc = T.main(trainer_argv(tiny_dir, run, total_training_steps=2))
     err = capsys.readouterr().err
     assert rc == 2 and "no usable checkpoint" in err and "step_1: trainer_state.pt" in err
     assert (run / "metrics.jsonl").read_text() == before  # nothing trained, nothing truncated
@@ -397,10 +385,11 @@ def test_unusable_trainer_state_and_no_older_checkpoint_stops_with_what_was_trie
 
 def test_explicit_resume_path_to_a_corrupt_checkpoint_is_one_line(tiny_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    assert T.main(args(tiny_dir, run, total_training_steps=1)) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1)) == 0
     shard = next((run / "checkpoints" / "step_1" / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:10])
-    rc = T.main(args(tiny_dir, tmp_path / "other", total_training_steps=2, resume=str(run / "checkpoints" / "step_1")))
+    rc = T.main(trainer_argv(tiny_dir, tmp_path / "other", total_training_steps=2,
+                             resume=str(run / "checkpoints" / "step_1")))
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert f"cannot resume from {run / 'checkpoints' / 'step_1'}: dcp/{shard.name} is truncated" in err
@@ -408,17 +397,17 @@ def test_explicit_resume_path_to_a_corrupt_checkpoint_is_one_line(tiny_dir, tmp_
 
 def test_resume_disable_refuses_an_earlier_runs_checkpoints(tiny_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    assert T.main(args(tiny_dir, run, total_training_steps=1)) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1)) == 0
     before = (run / "metrics.jsonl").read_text()
-    assert T.main(args(tiny_dir, run, total_training_steps=1, resume="disable")) == 2
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, resume="disable")) == 2
     assert "holds an earlier run's checkpoints" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text() == before
 
 
 def test_optimizer_knobs_changed_at_resume_are_applied_and_announced(tiny_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    assert T.main(args(tiny_dir, run, total_training_steps=1, lr=1e-3, val_files=[])) == 0
-    assert T.main(args(tiny_dir, run, total_training_steps=2, lr=2e-3, weight_decay=0.0, val_files=[])) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, lr=1e-3, val_files=[])) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=2, lr=2e-3, weight_decay=0.0, val_files=[])) == 0
     out = capsys.readouterr().out
     assert "resume: lr=0.002 replaces the checkpoint's 0.001" in out
     assert "resume: weight_decay=0.0 replaces the checkpoint's 0.1" in out
@@ -434,18 +423,18 @@ def test_a_second_run_on_the_same_out_dir_is_refused(tiny_dir, tmp_path, capsys)
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.write("4242")
         held.flush()
-        assert T.main(args(tiny_dir, run, total_training_steps=1)) == 2
+        assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1)) == 2
     assert "in use by pid 4242" in capsys.readouterr().err
     assert not (run / "metrics.jsonl").exists()
-    assert T.main(args(tiny_dir, run, total_training_steps=1, val_files=[])) == 0  # released: free again
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, val_files=[])) == 0  # released: free again
 
 
 def test_partial_last_metrics_line_is_skipped_on_resume_and_plot(tiny_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    assert T.main(args(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 2, "train/ac')  # a crash mid-write
-    assert T.main(args(tiny_dir, run, total_training_steps=2, val_files=[])) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=2, val_files=[])) == 0
     assert "is not complete JSON" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     with open(run / "metrics.jsonl", "a") as f:
@@ -457,18 +446,19 @@ def test_partial_last_metrics_line_is_skipped_on_resume_and_plot(tiny_dir, tmp_p
 def test_full_disk_during_a_checkpoint_says_so_and_leaves_no_partial_directory(tiny_dir, tmp_path, capsys,
                                                                                monkeypatch):
     run = tmp_path / "run"
-    assert T.main(args(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
 
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(parallel.dcp, "save", no_space)
-    rc = T.main(args(tiny_dir, run, total_training_steps=2, val_files=[]))
+    monkeypatch.setattr(checkpoint.dcp, "save", no_space)
+    rc = T.main(trainer_argv(tiny_dir, run, total_training_steps=2, val_files=[]))
     err = capsys.readouterr().err
     assert rc == 3 and "No space left on device" in err and "step_2.tmp" in err
     assert sorted(os.listdir(run / "checkpoints")) == ["step_1"]  # the older one stays, no partial one
-    assert parallel.checkpoint_problem(str(run / "checkpoints" / "step_1")) is None
+    assert checkpoint.checkpoint_problem(str(run / "checkpoints" / "step_1")) is None
 
 
+@pytest.mark.slow  # python train_dapo.py
 def test_sigterm_while_dynamic_sampling_refills_forever_stops_promptly(tiny_dir, tmp_path):
     fn = reward_file(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                "    return 0.0\n")  # no group ever varies
@@ -478,7 +468,7 @@ def test_sigterm_while_dynamic_sampling_refills_forever_stops_promptly(tiny_dir,
     lines = []
     for line in p.stdout:  # progress is printed while refilling
         lines.append(line)
-        if "dynamic sampling: round 5" in line:
+        if "dynamic sampling: gen batch 6" in line:
             break
     else:
         pytest.fail("".join(lines))

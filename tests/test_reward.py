@@ -82,13 +82,13 @@ def test_math_dapo_only_last_300_characters():
     tail = "\n" + "y" * 289  # "Answer: 42" + tail is exactly 300 characters: still seen
     assert math_dapo_score("Answer: 42" + tail, "42")["acc"]
     # one more character and the window starts at "nswer: 42": no match -> invalid
-    assert math_dapo_score("Answer: 42" + tail + "y", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert math_dapo_score("Answer: 42" + tail + "y", "42") == {"score": -1.0, "acc": False, "pred": None}
     assert math_dapo_score("x" * 5000 + "\nAnswer: 42", "42")["acc"]
 
 
 def test_math_dapo_no_answer_is_invalid():
-    assert math_dapo_score("The result is 42.", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
-    assert math_dapo_score("", "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert math_dapo_score("The result is 42.", "42") == {"score": -1.0, "acc": False, "pred": None}
+    assert math_dapo_score("", "42") == {"score": -1.0, "acc": False, "pred": None}
 
 
 def test_strict_box_verify():
@@ -198,7 +198,7 @@ def test_overlong_penalty_factor_and_full_buffer():
 def test_overlong_penalty_errors():
     with pytest.raises(ValueError, match="overlong_buffer_len=5000.*max_response_length=4096"):
         overlong_penalty(10, 4096, 5000, 1.0)
-    with pytest.raises(ValueError, match="overlong_buffer_len=0"):
+    with pytest.raises(ValueError, match="overlong_buffer_len=0 must be > 0"):
         overlong_penalty(10, 4096, 0, 1.0)
 
 
@@ -284,7 +284,7 @@ def test_scorer_builtin_results_in_order():
     items = [("math_dapo", "Answer: 1", "1", None), ("gsm8k", "#### 2", "3", None),
              ("arith", "Answer: 3", "3", {"index": 2}), ("aime", "no answer", "4", None)] * 5
     expected = [{"score": 1.0, "acc": True, "pred": "1"}, {"score": 0.0, "acc": False, "pred": "2"},
-                {"score": 1.0, "acc": True, "pred": "3"}, {"score": -1.0, "acc": False, "pred": "[INVALID]"}] * 5
+                {"score": 1.0, "acc": True, "pred": "3"}, {"score": -1.0, "acc": False, "pred": None}] * 5
     for num_workers in (0, 2):
         with RewardScorer(num_workers=num_workers) as scorer:
             for _ in range(2):  # workers are reused across batches

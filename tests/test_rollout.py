@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 import model as M
 import rollout as R
-from test_sp import _compile_works
+from conftest import compile_unavailable
 
 
 def tiny_model(seed=0, vocab=50, layers=2):
@@ -122,11 +122,12 @@ def test_sampling_distribution(temperature, top_k, top_p, expected):
     assert torch.allclose(logp, tempered[tok], atol=1e-6)
 
 
+@pytest.mark.slow  # torch.compile (Inductor)
 def test_compiled_engine_matches_the_eager_one():
     """TorchEngine(compile=True) (Inductor's C++ kernels on the CPU): the sampled tokens and log-probs of the eager
     engine, with stops and compaction, over sizes that change between calls; the blocks share a few graphs (a graph
     per layer would soon exhaust dynamo's recompile limit and leave the blocks eager)."""
-    if (why := _compile_works()) is not None:
+    if (why := compile_unavailable()) is not None:
         pytest.skip(why)
     # a small vocabulary, so the stop token comes up; 6 layers, more than the graphs a prefill and a decode need
     m, ref = tiny_model(5, vocab=8, layers=6), tiny_model(5, vocab=8, layers=6)

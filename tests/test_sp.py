@@ -13,7 +13,8 @@ import plan
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 import dist_check  # noqa: E402
-from test_parallel import max_diff, torchrun  # noqa: E402
+from conftest import (GiB, compile_unavailable, max_diff, plan_bytes, planner_cfg, planner_model,  # noqa: E402
+                      torchrun_dist_check)
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +40,12 @@ def single_process(model_dir):
 # kv=2, sp=2: one kv head per rank; kv=1, sp=2: the kv head is repeated; sp_tp: tp=2 then sp=2 splits the
 # 4 query heads to 1 per rank and the 1 kv head per TP rank is repeated; sp4: 2 kv heads repeated to 4, in
 # the order that keeps each query head on its own kv head; sp_compile: sp=2 with compiled blocks
+@pytest.mark.slow  # torchrun
 @pytest.mark.parametrize("mode,nproc,kv", [("sp", 2, 2), ("sp", 2, 1), ("sp_tp", 4, 2), ("sp4", 4, 2),
                                            ("sp_compile", 2, 1)])
 def test_sequence_parallel_matches_single_process(model_dirs, tmp_path, mode, nproc, kv):
     ref = single_process(model_dirs[kv])
-    torchrun(nproc, mode, model_dirs[kv], tmp_path / "out.pt")
+    torchrun_dist_check(nproc, mode, model_dirs[kv], tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
     T = sum(len(d) - 1 for d in dist_check.batch())
     assert T % 2 == 1 and got["logp"].shape == (1, T)  # 25 tokens: padded to 26 inside, dropped again
@@ -75,17 +77,9 @@ def test_parallel_dims_rank_layout():
     assert (d1.dp, d1.fsdp_size, d1.dp_rank, d1.sp_rank) == (4, 4, 2, 0)  # sp = 1: as before
 
 
-def _compile_works() -> str | None:
-    """None, or why torch.compile (inductor) cannot run here."""
-    try:
-        torch.compile(lambda x: x * 2)(torch.ones(2))
-    except Exception as e:  # no C++ compiler, unsupported platform, ...
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
+@pytest.mark.slow  # torch.compile (Inductor)
 def test_compiled_blocks_match_eager():
-    reason = _compile_works()
+    reason = compile_unavailable()
     if reason:
         pytest.skip(f"torch.compile unusable on this CPU: {reason}")
     cfg = dist_check.tiny_config(kv_heads=1)
@@ -109,11 +103,11 @@ def test_compiled_blocks_match_eager():
 
 
 def test_memory_plan_divides_activations_by_sp():
-    """tests/test_configs.py's tiny model by hand, at world 8 = dp 2 x sp 2 x tp 2."""
-    from test_configs import GiB, plan_bytes, tiny_cfg, tiny_model
-    with_sp = lambda **kw: tiny_cfg(**kw, sp_size=2)  # noqa: E731
-    base = plan_bytes(plan.memory_plan(tiny_cfg(), tiny_model(), 8, 80, runtime_gib=0))
-    p = plan.memory_plan(with_sp(), tiny_model(), 8, 80, runtime_gib=0)
+    """The memory planner's tiny model (conftest.planner_model, worked out in tests/test_configs.py) by hand, at
+    world 8 = dp 2 x sp 2 x tp 2."""
+    with_sp = lambda **kw: planner_cfg(**kw, sp_size=2)  # noqa: E731
+    base = plan_bytes(plan.memory_plan(planner_cfg(), planner_model(), 8, 80, runtime_gib=0))
+    p = plan.memory_plan(with_sp(), planner_model(), 8, 80, runtime_gib=0)
     b = plan_bytes(p)
     assert (p["dp"], p["sp"], p["tp"]) == (2, 2, 2)
     # FSDP shards over dp x sp = 4 ranks, as over dp = 4 without SP: 2*36,992/8 + 128,320/4 = 41,328 params a GPU
@@ -122,10 +116,10 @@ def test_memory_plan_divides_activations_by_sp():
     # 2 x 64 = 128 tokens a micro-batch, 64 on each SP rank: block inputs 64 * 64 * 2 bytes * 2 layers + 64 * 1,792
     assert b["activations"] == 16_384 + 64 * 1_792 == base["activations"] // 2
     assert b["logprob_buffer"] == base["logprob_buffer"] == 16 * 1000 * 12  # chunk 16 < 64 tokens
-    p = plan.memory_plan(with_sp(logprob_chunk=100), tiny_model(), 8, 80, runtime_gib=0)
+    p = plan.memory_plan(with_sp(logprob_chunk=100), planner_model(), 8, 80, runtime_gib=0)
     assert round(p["gib"]["logprob_buffer"] * GiB) == 64 * 1000 * 12  # a chunk holds only this GPU's 64 tokens
     # use_dynamic_bsz: the budget stays per GPU (verl's convention), so a micro-batch holds budget x sp tokens
-    p = plan.memory_plan(with_sp(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), tiny_model(), 8, 80,
+    p = plan.memory_plan(with_sp(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=256), planner_model(), 8, 80,
                              runtime_gib=0)
     assert p["tokens_per_micro_batch"] == 512
     assert round(p["gib"]["activations"] * GiB) == 256 * 64 * 2 * 2 + 256 * 1_792

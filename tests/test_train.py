@@ -1,5 +1,6 @@
 """train_dapo.py: config parsing and validation, dynamic sampling, exact token-mean over micro-batches,
 resume, and a few real end-to-end steps on a tiny model."""
+import copy
 import importlib.util
 import json
 import os
@@ -10,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import config
 import data
 import model as M
 import parallel
+import reference as ref
 import train_dapo as T
-from conftest import random_batch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, random_batch, tiny_train_config
 
 # -----------------------------------------------------------------------------
 # config
@@ -25,11 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_config_file_then_cli_overrides(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("import os\n_scratch = 3\nlr = 3e-4\nn = 4\ntrain_files = 'a.parquet'\n")
-    cfg, flags = T.parse_args([str(f), "--n=16", "--out_dir=runs/x", "--betas=(0.9, 0.95)", "--dry_run"])
+    cfg, flags = T.parse_args(T.Config, [str(f), "--n=16", "--out_dir=runs/x", "--betas=(0.9, 0.95)", "--dry_run"])
     assert (cfg.lr, cfg.n, cfg.out_dir, cfg.train_files, cfg.betas) == (3e-4, 16, "runs/x", ["a.parquet"],
                                                                          (0.9, 0.95))
     assert flags["dry_run"]
-    assert T.parse_args(["--lr=1"])[0].lr == 1.0 and isinstance(T.parse_args(["--lr=1"])[0].lr, float)
+    assert T.parse_args(T.Config, ["--lr=1"])[0].lr == 1.0 and isinstance(T.parse_args(T.Config, ["--lr=1"])[0].lr, float)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -41,7 +42,7 @@ def test_config_file_then_cli_overrides(tmp_path):
 ])
 def test_config_errors_name_the_key(args, msg):
     with pytest.raises(T.ConfigError, match=msg):
-        T.parse_args(args)
+        T.parse_args(T.Config, args)
 
 
 @pytest.mark.parametrize("over,msg", [
@@ -50,12 +51,12 @@ def test_config_errors_name_the_key(args, msg):
     (dict(clip_ratio_c=1.0), "clip_ratio_c=1.0 must be > 1"),
     (dict(overlong_buffer_len=2048), "overlong_buffer_len=2048 must be in"),
     (dict(loss_agg_mode="sum"), "loss_agg_mode='sum'; choose one of token-mean"),
-    (dict(kl_loss_type="k9"), "kl_loss_type='k9'"),
-    (dict(filter_groups_metric="reward"), "filter_groups_metric='reward'"),
-    (dict(truncation="cut"), "truncation='cut'"),
+    (dict(kl_loss_type="k9"), "kl_loss_type='k9'; choose one of kl, abs, mse, low_var_kl"),
+    (dict(filter_groups_metric="reward"), "filter_groups_metric='reward'; choose one of acc, score"),
+    (dict(truncation="cut"), "truncation='cut'; choose one of error, left, right, middle"),
     (dict(gen_batch_size=8, filter_groups=False), "gen_batch_size=8 < train_batch_size=32"),
     (dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=100), "ppo_max_token_len_per_gpu=100 x sp_size=1 must be >="),
-    (dict(logger=["console", "neptune"]), "logger 'neptune'"),
+    (dict(logger=["console", "neptune"]), "logger 'neptune'; choose from console, jsonl"),
     (dict(n=0), "n=0 must be > 0"),
     (dict(sp_size=2), "sp_size=2 x tp_size=1 = 2 must divide the world size 1"),
     (dict(compile=True, device="cpu"), "compile=True compiles the sharded policy"),
@@ -63,42 +64,42 @@ def test_config_errors_name_the_key(args, msg):
 ])
 def test_cross_field_validation(over, msg):
     with pytest.raises(T.ConfigError, match=msg):
-        T.validate(T.Config(**over), world_size=1, check_files=False)
+        config.check_config(T.Config(**over), world_size=1, check_files=False)
 
 
 def test_token_budget_is_per_gpu_and_an_sp_group_pools_it():
     """verl's convention: one sequence (512 + 1024 tokens) must fit the budget of an SP group, sp_size x per GPU."""
     cfg = dict(use_dynamic_bsz=True, sp_size=2, log_prob_max_token_len_per_gpu=800)
-    T.validate(T.Config(**cfg, ppo_max_token_len_per_gpu=800), world_size=2, check_files=False)  # 1600 >= 1536
+    config.check_config(T.Config(**cfg, ppo_max_token_len_per_gpu=800), world_size=2, check_files=False)  # 1600 >= 1536
     with pytest.raises(T.ConfigError, match="ppo_max_token_len_per_gpu=700 x sp_size=2 must be >= .* = 1536"):
-        T.validate(T.Config(**cfg, ppo_max_token_len_per_gpu=700), world_size=2, check_files=False)
+        config.check_config(T.Config(**cfg, ppo_max_token_len_per_gpu=700), world_size=2, check_files=False)
 
 
 def test_world_size_must_split_mini_batch():
     with pytest.raises(T.ConfigError, match="split evenly over 3 data-parallel ranks"):
-        T.validate(T.Config(), world_size=3, check_files=False)
+        config.check_config(T.Config(), world_size=3, check_files=False)
 
 
 def test_file_checks(tiny_dir, tmp_path):
     base = dict(model_path=str(tiny_dir / "model"), train_files=[str(tiny_dir / "train.parquet")],
                 val_files=[str(tiny_dir / "val.parquet")], gen_batch_size=8, train_batch_size=8,
                 ppo_mini_batch_size=8, max_prompt_length=256, max_response_length=256, overlong_buffer_len=64)
-    T.validate(T.Config(**base))
+    config.check_config(T.Config(**base))
     with pytest.raises(T.ConfigError, match="= 513 exceeds the model's context, max_position_embeddings=512"):
-        T.validate(T.Config(**{**base, "max_response_length": 257}))
+        config.check_config(T.Config(**{**base, "max_response_length": 257}))
     with pytest.raises(T.ConfigError, match="no config.json"):
-        T.validate(T.Config(**{**base, "model_path": str(tmp_path)}))
+        config.check_config(T.Config(**{**base, "model_path": str(tmp_path)}))
     for knob in ("router_aux_loss", "router_replay"):  # MoE knobs on a dense model
         with pytest.raises(T.ConfigError, match=f"{knob}=True but .* is not a mixture-of-experts model"):
-            T.validate(T.Config(**{**base, knob: True, "rollout_engine": "vllm"}))
+            config.check_config(T.Config(**{**base, knob: True, "rollout_engine": "vllm"}))
     import data
-    with pytest.raises(data.DataError, match="missing.parquet"):
-        T.validate(T.Config(**{**base, "train_files": [str(tmp_path / "missing.parquet")]}))
+    with pytest.raises(data.DataError, match="data file not found: .*missing.parquet"):
+        config.check_config(T.Config(**{**base, "train_files": [str(tmp_path / "missing.parquet")]}))
     pq.write_table(pa.table({"data_source": ["x"], "prompt": ["hi"]}), tmp_path / "bad.parquet")
-    with pytest.raises(data.DataError, match="reward_model"):
-        T.validate(T.Config(**{**base, "train_files": [str(tmp_path / "bad.parquet")]}))
-    with pytest.raises(T.ConfigError, match="nofile.py"):
-        T.validate(T.Config(**{**base, "reward_fn": str(tmp_path / "nofile.py") + ":f"}))
+    with pytest.raises(data.DataError, match="missing column 'reward_model' in .*bad.parquet"):
+        config.check_config(T.Config(**{**base, "train_files": [str(tmp_path / "bad.parquet")]}))
+    with pytest.raises(T.ConfigError, match="file '.*nofile.py' not found"):
+        config.check_config(T.Config(**{**base, "reward_fn": str(tmp_path / "nofile.py") + ":f"}))
 
 
 def test_dry_run_prints_batch_arithmetic(tiny_dir, capsys, monkeypatch):
@@ -176,7 +177,7 @@ def test_dynamic_sampling_keeps_exactly_train_batch_size_groups():
 
 def test_dynamic_sampling_error_names_numbers_and_knobs():
     cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, max_num_gen_batches=3)
-    with pytest.raises(T.RunError, match="after 3 generation rounds of 2 prompts only 1 of "
+    with pytest.raises(T.RunError, match="after 3 gen batches of 2 prompts only 1 of "
                                            "train_batch_size=2.*max_num_gen_batches"):
         T.dynamic_sampling((fake_round([[1, 0], [1, 1]] if r == 1 else [[0, 0], [1, 1]], 2, 10 * r)
                             for r in range(1, 5)), cfg)
@@ -213,8 +214,7 @@ def grads_after_update(cfg, traj, m=None):
         m = M.Transformer(cfg_m).init_weights(seed=0).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     sched = T.make_scheduler(opt, cfg, 1)
-    T.update_policy(m, opt, sched, traj, cfg, parallel.init_distributed("cpu"),
-                    on_policy=False)
+    T.update_policy(m, opt, sched, traj, cfg, parallel.init_distributed("cpu"))
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten()
                       for p in m.parameters()])
 
@@ -276,23 +276,13 @@ def test_router_aux_loss_adds_the_models_coefficient_times_the_load_balancing_gr
     loads = []
     T.sequence_logprobs(m, traj, list(range(6)), T.Config(**base), with_entropy=False, router_loads=loads)
     (0.5 * M.load_balancing_loss(loads, m.config.num_experts_per_tok)).backward()
-    ref = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in m.parameters()])
-    assert ref.abs().max() > 1e-3
-    torch.testing.assert_close(with_aux - plain, ref, rtol=0, atol=1e-4 * ref.abs().max().item())  # fp32 head
+    expected = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in m.parameters()])
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(with_aux - plain, expected, rtol=0, atol=1e-4 * expected.abs().max().item())  # fp32 head
 
 
 # -----------------------------------------------------------------------------
 # end to end on a tiny random model (few steps, CI time)
-
-
-def run_cfg(tiny_dir, out_dir, **over):
-    base = dict(model_path=str(tiny_dir / "model"), train_files=[str(tiny_dir / "train.parquet")],
-                val_files=[str(tiny_dir / "val.parquet")], max_prompt_length=64, max_response_length=12,
-                overlong_buffer_len=6, train_batch_size=2, gen_batch_size=3, n=4, ppo_mini_batch_size=1,
-                ppo_micro_batch_size_per_gpu=2, filter_groups_metric="seq_reward", temperature=1.5, lr=1e-3,
-                out_dir=str(out_dir), test_freq=2, save_freq=1, reward_num_workers=0, cpu_threads=1,
-                val_max_samples=4, max_num_gen_batches=20, resume="auto", logger=["jsonl"])
-    return T.Config(**{**base, **over})
 
 
 def read_metrics(out_dir):
@@ -301,38 +291,50 @@ def read_metrics(out_dir):
 
 def stable(rows):
     """Metrics that must be identical between runs (no timings)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
+
+
+DEMO_MODEL = os.path.join(ROOT, "demo", "model")  # warm-started: answers "Answer: N", sometimes rightly
 
 
 def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
+    """The demo model on tiny_dir's addition problems: it earns rewards (a random model never answers in the
+    verifier's format), so the advantages are not the overlong penalty's alone."""
     full = tmp_path / "full"
-    T.train(run_cfg(tiny_dir, full, total_training_steps=3, reward_num_workers=1))
+    demo = dict(reward_num_workers=1, model_path=DEMO_MODEL, lr=2e-4)  # configs/tiny.py's (1e-3 collapses it)
+    trained = T.train(tiny_train_config(tiny_dir, full, total_training_steps=3, **demo))
     rows = read_metrics(full)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["val/acc"] > 0 and max(r["train/acc"] for r in rows[1:]) > 0
+    for r in rows[1:]:  # arith scores 1 for the right sum and -1 for anything else
+        assert r["train/score_mean"] == pytest.approx(2 * r["train/acc"] - 1)
     for key in ("train/acc", "train/score_mean", "response_length/mean", "response_length/max",
                 "response_length/clip_ratio", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
                 "actor/ppo_kl", "actor/grad_norm", "actor/lr", "sampling/num_gen_batches",
-                "sampling/kept_group_frac", "rollout/logp_mismatch", "timing/gen", "timing/reward",
-                "timing/old_logp", "timing/update", "timing/step", "perf/tokens_per_s"):
+                "sampling/kept_group_frac", "rollout/logp_mismatch", "timing_s/gen", "timing_s/reward",
+                "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/step", "perf/tokens_per_s"):
         assert key in rows[1], key
     assert rows[1]["rollout/logp_mismatch"] < 1e-4  # engine and trainer agree on log-probs before the update
     for r in rows[1:]:  # the phases (validation included) and the rest, "other", add up to the step
-        phases = {k: v for k, v in r.items() if k.startswith("timing/") and k not in ("timing/step", "timing/sync_val")}
-        assert "timing/other" in phases and abs(sum(phases.values()) - r["timing/step"]) < 1e-6
-        assert r["timing/other"] >= 0 and ("timing/val" in r) == ("val/acc" in r)
+        phases = {k: v for k, v in r.items() if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/sync_val")}
+        assert "timing_s/other" in phases and abs(sum(phases.values()) - r["timing_s/step"]) < 1e-6
+        assert r["timing_s/other"] >= 0 and ("timing_s/testing" in r) == ("val/acc" in r)
     assert "val/acc" in rows[0] and "val/acc" in rows[2] and "val/acc" in rows[3]
     assert (full / "checkpoints" / "step_3" / "COMPLETE").exists()
     export = str(full / "checkpoints" / "step_3")  # an HF model directory, usable as a model_path
-    assert M.from_pretrained(export, dtype=torch.float32)
+    exported, initial = (M.from_pretrained(path, dtype=torch.float32) for path in (export, DEMO_MODEL))
+    for (name, p), (exported_name, q) in zip(trained.state_dict().items(), exported.state_dict().items()):
+        assert exported_name == name and torch.equal(q, p), name  # the weights the run ended with
+    assert any(not torch.equal(p, q) for p, q in zip(initial.parameters(), exported.parameters()))
     assert data.Tokenizer.from_pretrained(export).eos_token_ids == data.Tokenizer.from_pretrained(
-        str(tiny_dir / "model")).eos_token_ids
-    T.validate(run_cfg(tiny_dir, tmp_path / "from_export", model_path=export))
+        DEMO_MODEL).eos_token_ids
+    config.check_config(tiny_train_config(tiny_dir, tmp_path / "from_export", model_path=export))
     if importlib.util.find_spec("matplotlib"):
         assert T.main(["--plot", str(full)]) == 0 and (full / "metrics.png").stat().st_size > 10_000
 
     part = tmp_path / "part"
-    T.train(run_cfg(tiny_dir, part, total_training_steps=1, reward_num_workers=1))  # "stopped" after step 1
-    T.train(run_cfg(tiny_dir, part, total_training_steps=3, reward_num_workers=1))  # resume="auto"
+    T.train(tiny_train_config(tiny_dir, part, total_training_steps=1, **demo))  # "stopped" after step 1
+    T.train(tiny_train_config(tiny_dir, part, total_training_steps=3, **demo))  # resume="auto"
     resumed = [r for r in read_metrics(part) if r["step"] != 1 or "train/acc" in r]
     by_step = {r["step"]: r for r in stable(resumed) if "train/acc" in r}
     expected = {r["step"]: r for r in stable(rows) if "train/acc" in r}
@@ -342,17 +344,58 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
         assert got == want, s
 
 
-def test_kl_loss_and_ppo_epochs_path(tiny_dir, tmp_path):
-    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=1, use_kl_loss=True, ppo_epochs=2,
-                    use_dynamic_bsz=True, ppo_max_token_len_per_gpu=200, log_prob_max_token_len_per_gpu=200,
-                    val_files=[], use_kl_in_reward=True, filter_groups_metric="seq_final_reward"))
+def test_kl_loss_and_ppo_epochs_path(tiny_dir, tmp_path, monkeypatch):
+    """Two epochs over two mini-batches: four optimizer steps, each on the KL (low_var_kl, token mean) of its
+    mini-batch from the policy as that step found it to the reference; actor/kl_loss is their mean. The first
+    step's is 0 (the policy still is the reference), the later ones are not. The in-reward KL is that of the
+    policy that generated the batch, the reference itself at step 1: it subtracts exactly 0."""
+    batches, weights = [], []  # what update_policy was given; the weights at each optimizer step
+    real_update, real_setup = T.update_policy, T.setup
+
+    def update(model, optimizer, scheduler, traj, *args, **kwargs):
+        batches.append(copy.deepcopy(traj))
+        return real_update(model, optimizer, scheduler, traj, *args, **kwargs)
+
+    def setup(cfg):
+        run = real_setup(cfg)
+        run.optimizer.register_step_pre_hook(lambda *_: weights.append(copy.deepcopy(run.model.state_dict())))
+        return run
+
+    monkeypatch.setattr(T, "update_policy", update)
+    monkeypatch.setattr(T, "setup", setup)
+    cfg = tiny_train_config(tiny_dir, tmp_path, total_training_steps=1, use_kl_loss=True, ppo_epochs=2,
+                            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=200,
+                            log_prob_max_token_len_per_gpu=200, val_files=[], use_kl_in_reward=True,
+                            filter_groups_metric="seq_final_reward")
+    T.train(cfg)
     row = read_metrics(tmp_path)[-1]
-    assert row["actor/kl_loss"] >= 0.0 and "rollout/logp_mismatch" in row and row["step"] == 1
+    assert row["step"] == 1 and len(batches) == 1 and len(weights) == 4
+    assert row["rollout/logp_mismatch"] < 1e-4  # the old log-probs: the engine's policy's
+    b = batches[0]
+    assert torch.equal(b.old_logp, b.ref_logp) and torch.equal(b.seq_final_reward, b.seq_reward)
+
+    model = M.from_pretrained(str(tiny_dir / "model"), dtype=torch.float64)  # the reference: initial weights
+    with torch.no_grad():
+        ref_logp, _ = ref.batch_logprobs(model, b.prompt_ids, b.response_ids, cfg.max_response_length,
+                                         cfg.temperature)
+    size = cfg.ppo_mini_batch_size * cfg.n
+    kls = []
+    for k, state in enumerate(weights):  # epoch 0: mini-batches 0, 1; epoch 1: 0, 1
+        model.load_state_dict({name: v.double() for name, v in state.items()})
+        idx = list(range(k % 2 * size, (k % 2 + 1) * size))
+        with torch.no_grad():
+            logp, _ = ref.batch_logprobs(model, [b.prompt_ids[i] for i in idx],
+                                         [b.response_ids[i] for i in idx], cfg.max_response_length,
+                                         cfg.temperature)
+        mask = b.response_mask[idx].double()
+        kls.append(((ref.kl(logp, ref_logp[idx], "low_var_kl") * mask).sum() / mask.sum()).item())
+    assert kls[0] == pytest.approx(0, abs=1e-9) and min(kls[1:]) > 1e-6
+    assert row["actor/kl_loss"] == pytest.approx(sum(kls) / 4, rel=1e-4)
 
 
 def test_the_cpu_demo_config_runs_a_few_steps(tmp_path):
     """configs/tiny.py as shipped (demo/model, demo/data), cut to 2 steps and a small validation."""
-    cfg, _ = T.parse_args([os.path.join(ROOT, "configs", "tiny.py"), f"--out_dir={tmp_path}",
+    cfg, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "tiny.py"), f"--out_dir={tmp_path}",
                            "--total_training_steps=2", "--val_max_samples=16", "--test_freq=0", "--logger=['jsonl']"])
     cfg.model_path, cfg.train_files, cfg.val_files = (os.path.join(ROOT, cfg.model_path),
                                                        [os.path.join(ROOT, f) for f in cfg.train_files],

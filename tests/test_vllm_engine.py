@@ -14,16 +14,14 @@ import pytest
 import torch
 
 import fake_vllm
+import config
 import model as M
 import parallel
 import rollout as R
 import train_dapo as T
 import vllm_check
-from conftest import make_model_dir
+from conftest import ROOT, make_model_dir, tiny_train_config
 from fake_vllm import install
-from test_train import run_cfg
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("num,world,gen_tp", [(10, 4, 2), (10, 4, 1), (3, 8, 2), (7, 2, 2), (0, 2, 1)])
@@ -147,8 +145,8 @@ def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
 def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(monkeypatch, tiny_dir, tmp_path,
                                                                               capsys, free_cache_engine):
     install(monkeypatch)
-    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=2, rollout_engine="vllm", save_freq=-1,
-                    test_freq=1, calculate_log_probs=free_cache_engine, free_cache_engine=free_cache_engine))
+    T.train(tiny_train_config(tiny_dir, tmp_path, total_training_steps=2, rollout_engine="vllm", save_freq=-1,
+                              test_freq=1, calculate_log_probs=free_cache_engine, free_cache_engine=free_cache_engine))
     assert "warning: rollout/logp_mismatch" not in capsys.readouterr().out
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     train_rows = [r for r in rows if "train/acc" in r]
@@ -158,7 +156,7 @@ def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(mo
             assert r["rollout/logp_mismatch"] < 1e-4
         else:  # no log-probs asked of vLLM, so no mismatch to report
             assert "rollout/logp_mismatch" not in r
-        assert r["timing/sync"] > 0
+        assert r["timing_s/sync"] > 0
     calls = fake_vllm.LLM.instances[0].calls
     gens = [i for i, c in enumerate(calls) if c[0] == "generate"]
     assert len(gens) >= 5  # val before training, >= 1 round per step, val after each step
@@ -184,8 +182,8 @@ def test_an_engine_with_other_weights_triggers_the_mismatch_warning(monkeypatch,
     install(monkeypatch)
     load = fake_vllm.LLM._load
     monkeypatch.setattr(fake_vllm.LLM, "_load", lambda self, weights: load(self, ((n, t * 1.6) for n, t in weights)))
-    T.train(run_cfg(tiny_dir, tmp_path, total_training_steps=1, rollout_engine="vllm", save_freq=-1, test_freq=0,
-                    calculate_log_probs=True))
+    T.train(tiny_train_config(tiny_dir, tmp_path, total_training_steps=1, rollout_engine="vllm", save_freq=-1,
+                              test_freq=0, calculate_log_probs=True))
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     mismatch = [r["rollout/logp_mismatch"] for r in rows if "train/acc" in r]
     assert mismatch and mismatch[0] > 2 * T.Config().logp_mismatch_warn, mismatch
@@ -196,25 +194,26 @@ def test_missing_vllm_is_a_config_error_before_any_work(tiny_dir, tmp_path, monk
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(T.ConfigError, match="vllm is not installed"):
-        T.train(run_cfg(tiny_dir, tmp_path, rollout_engine="vllm"))
+        T.train(tiny_train_config(tiny_dir, tmp_path, rollout_engine="vllm"))
     assert not (tmp_path / "config.json").exists()  # nothing written, nothing built
 
 
 def test_vllm_config_checks():
     with pytest.raises(T.ConfigError, match="gen_tp=3 must divide the world size 4"):
-        T.validate(T.Config(gen_tp=3, ppo_mini_batch_size=32), world_size=4, check_files=False)
+        config.check_config(T.Config(gen_tp=3, ppo_mini_batch_size=32), world_size=4, check_files=False)
     with pytest.raises(T.ConfigError, match="gen_tp=2 needs rollout_engine='vllm'"):
-        T.validate(T.Config(gen_tp=2, rollout_engine="torch"), world_size=2, check_files=False)
-    with pytest.raises(T.ConfigError, match="tis_imp_ratio_cap=0.5"):
-        T.validate(T.Config(tis_imp_ratio_cap=0.5), check_files=False)
+        config.check_config(T.Config(gen_tp=2, rollout_engine="torch"), world_size=2, check_files=False)
+    with pytest.raises(T.ConfigError, match=r"tis_imp_ratio_cap=0.5 must be -1 \(off\) or a cap >= 1"):
+        config.check_config(T.Config(tis_imp_ratio_cap=0.5), check_files=False)
     assert R.resolve_engine("auto", "cpu") == "torch"
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ValueError, match="vllm is not installed"):
             R.resolve_engine("vllm", "cuda")
-    with pytest.raises(ValueError, match="rollout_engine='tpu'"):
+    with pytest.raises(ValueError, match="rollout_engine='tpu'; use 'auto', 'torch' or 'vllm'"):
         R.resolve_engine("tpu", "cuda")
 
 
+@pytest.mark.slow  # python / torchrun processes
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_a_single_rank_gets_a_process_group_for_vllm_without_hanging(launcher):
     """vLLM's external_launcher needs a process group and reads RANK and LOCAL_RANK from the environment: a plain
@@ -252,7 +251,8 @@ def test_vllm_engine_refuses_a_max_model_len_above_the_models_limit(monkeypatch,
     with pytest.raises(ValueError, match=r"max_model_len=513 \(max_prompt_length \+ max_response_length\) is above "
                                          r"max_position_embeddings=512 .*at most 512"):
         R.VLLMEngine(path, max_model_len=513)
-    with pytest.raises(ValueError, match="max_model_len=600"):
+    with pytest.raises(ValueError, match=r"max_model_len=600 \(max_prompt_length \+ max_response_length\) "
+                                         r"is above max_position_embeddings=512"):
         R.VLLMEngine(path, max_model_len=128, engine_kwargs={"max_model_len": 600})
     assert fake_vllm.LLM.instances == []  # vLLM never started
     assert R.VLLMEngine(path, max_model_len=512).llm.kwargs["max_model_len"] == 512  # the limit itself is fine

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                reason="needs a CUDA GPU and vllm")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                                 reason="needs a CUDA GPU and vllm"),
+              pytest.mark.slow]  # torchrun
 
 
 @pytest.mark.parametrize("gpus,gen_tp", [(1, 1), (2, 2), (2, 1)])
