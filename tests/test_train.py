@@ -405,3 +405,23 @@ def test_the_cpu_demo_config_runs_a_few_steps(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["val/acc"] > 0.1  # the warm start already answers in the format, often correctly
     assert rows[2]["response_length/mean"] < cfg.max_response_length
+
+
+def test_dynamic_sampling_explains_why_groups_are_dropped():
+    """group_outcomes counts groups by why they are kept or dropped, likely_cause names the reason a step starves,
+    and a starved step's error says both."""
+    cfg = T.Config(train_batch_size=2, gen_batch_size=4, n=2, max_response_length=4, max_num_gen_batches=2)
+    traj = fake_round([[1, 0], [1, 1], [0, 0], [0, 0]], 2, 0)  # varying, solved, failed, failed
+    traj.answer_found = torch.tensor([True, True, True, True, False, False, True, False])
+    out = T.group_outcomes(traj, cfg)
+    assert out == {"groups_varying": 0.25, "groups_all_correct": 0.25, "groups_all_wrong": 0.5,
+                   "groups_constant_other": 0.0, "no_answer_frac": 0.375, "response_length_mean": 1.0}
+    assert T.likely_cause({**out, "no_answer_frac": 0.95}).startswith("no response matched the answer format")
+    assert T.likely_cause({**out, "groups_all_correct": 0.9}).startswith("every group is solved")
+    assert T.likely_cause({**out, "groups_all_wrong": 0.95}).startswith("every group fails")
+    assert "25% varying, 25% all correct, 50% all wrong; 38% of responses without" in T.describe_outcomes(out)
+    failed = fake_round([[0, 0], [0, 0]], 2, 0)
+    failed.answer_found = torch.zeros(4, dtype=torch.bool)
+    with pytest.raises(T.RunError, match=r"100% all wrong; 100% of responses without a parsable answer.*Likely "
+                                         r"cause: no response matched the answer format"):
+        T.dynamic_sampling(iter([failed, failed]), cfg)
