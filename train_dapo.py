@@ -613,20 +613,20 @@ def group_outcomes(traj: Trajectories, cfg: Config) -> dict:
     """Why dynamic sampling keeps or drops groups -> fractions of the groups whose filter metric varies
     (kept), and of the constant ones, all correct (solved), all wrong, or neither; the fraction of responses
     in which the verifier found no answer (None with a custom reward_fn), and the mean response length."""
-    varying = varying_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)
-    counts = {"varying": 0, "all_correct": 0, "all_wrong": 0, "constant_other": 0}
-    groups = torch.unique(traj.group_ids)
-    for g in groups:
-        rows = traj.group_ids == g
-        if varying[rows][0]:
-            counts["varying"] += 1
-        elif traj.acc[rows].all():
-            counts["all_correct"] += 1
-        elif not traj.acc[rows].any():
-            counts["all_wrong"] += 1
-        else:  # accuracy varies but the filter metric does not (e.g. a score that ignores correctness)
-            counts["constant_other"] += 1
-    out = {f"groups_{k}": v / len(groups) for k, v in counts.items()}
+    _, group = torch.unique(traj.group_ids, return_inverse=True)
+    num_groups = int(group.max()) + 1
+    varying = torch.zeros(num_groups, dtype=torch.bool)
+    varying[group] = varying_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)  # same per group
+    acc = traj.acc.float()
+    lowest = acc.new_zeros(num_groups).scatter_reduce(0, group, acc, "amin", include_self=False)
+    highest = acc.new_zeros(num_groups).scatter_reduce(0, group, acc, "amax", include_self=False)
+    all_correct = ~varying & (lowest == 1)
+    all_wrong = ~varying & (highest == 0)
+    # the rest: accuracy varies but the filter metric does not (e.g. a score that ignores correctness)
+    constant_other = ~varying & ~all_correct & ~all_wrong
+    counts = {"varying": varying, "all_correct": all_correct, "all_wrong": all_wrong,
+              "constant_other": constant_other}
+    out = {f"groups_{k}": int(v.sum()) / num_groups for k, v in counts.items()}
     out["no_answer_frac"] = None
     if traj.answer_found is not None:
         out["no_answer_frac"] = 1 - traj.answer_found.float().mean().item()
