@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import parallel
 from config import ConfigError
-from model import ModelConfig, load_config, save_pretrained
+from hf import load_config, save_pretrained
+from model import ModelConfig
 
 TRAINER_STATE_KEYS = ("step", "scheduler", "sampler", "rng")  # save_checkpoint adds rng
 HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

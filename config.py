@@ -22,7 +22,7 @@ import data
 import parallel
 import reward
 from data import Tokenizer
-from model import check_weights
+from hf import check_weights
 
 # the choices of the algorithm's knobs (train_dapo.py's pure functions name them in their errors)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

@@ -13,7 +13,8 @@ import data
 import parallel
 import rollout
 from config import ConfigError, check_config
-from model import KNOWN_CONFIGS, ModelConfig, load_config
+from hf import KNOWN_CONFIGS, load_config
+from model import ModelConfig
 
 GiB = 2**30
 MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / generation: one at a time

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from model import AttnBatch, copy_hf_tensor, hf_targets, hf_tensors, load_config, pack_sequences
+from hf import copy_hf_tensor, hf_targets, hf_tensors, load_config
+from model import AttnBatch, pack_sequences
 
 
 @dataclass

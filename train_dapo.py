@@ -5,8 +5,6 @@ reads and checks a Config, checkpoint.py saves and resumes, plan.py plans memory
     python train_dapo.py configs/tiny.py                  # CPU demo: learns arithmetic in minutes
     python train_dapo.py configs/tiny.py --lr=3e-4 --n=4  # override any Config field
     python train_dapo.py configs/qwen32b.py --dry_run     # check the config, print batch arithmetic + memory
-    python train_dapo.py --plot out/tiny                  # PNG of reward, accuracy, length, entropy
-    python train_dapo.py --plot out/a out/b --x=samples   # an ablation: one line per run
     torchrun --nproc-per-node 8 train_dapo.py configs/qwen2.5_7b_dapo.py
 
 The algorithm is DAPO (Yu et al. 2025): GRPO's group-normalised advantages with no critic, the clipped policy
@@ -45,7 +43,8 @@ import reward
 from checkpoint import CheckpointError, fault_point
 from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
-from model import from_pretrained, load_balancing_loss, pack_sequences
+from hf import from_pretrained
+from model import load_balancing_loss, pack_sequences
 from rollout import SamplingParams, TorchEngine, VLLMEngine, engine_results, engine_share, resolve_engine
 
 # -----------------------------------------------------------------------------
@@ -161,7 +160,7 @@ class Config:
     val_before_train: bool = True
     log_val_generations: int = 5  # example val generations saved per validation
     # run
-    out_dir: str = "out/run"  # metrics.jsonl, checkpoints/, val generations, plot
+    out_dir: str = "out/run"  # metrics.jsonl, checkpoints/, val generations
     resume: str = "auto"  # auto (latest complete checkpoint in out_dir) | disable | path/to/checkpoint
     keep_last: int = 0  # keep only the newest N checkpoints (0 = all); pruned after a new one is complete
     max_consecutive_skips: int = 5  # stop the run after this many non-finite updates in a row
@@ -1359,101 +1358,7 @@ class Logger:
 
 
 # -----------------------------------------------------------------------------
-# command line: train, --dry_run, --plot
-
-PLOT_PANELS = [("train/score_mean", "reward (score)"), ("train/acc", "accuracy (train)"),
-               ("val/acc", "accuracy (validation)"), ("response_length/mean", "response length"),
-               ("actor/entropy", "entropy")]
-PLOT_X = {"step": "training step", "samples": "responses generated", "time": "wall-clock (s)"}
-
-
-def plot(out_dirs: list[str], x: str = "step", png: str | None = None) -> str:
-    """A PNG of reward, accuracy, response length and entropy from the metrics.jsonl of one run or several (an
-    ablation: one line per run, labelled by the config values that differ between them). x: what the
-    horizontal axis counts (PLOT_X).
-    -> the PNG's path (default: metrics.png in the run, or ablation_<x>.png beside the runs)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib "
-                          "(or pip install -e '.[plot]')") from e
-    if x not in PLOT_X:
-        raise ConfigError(f"--x={x!r}; choose one of {', '.join(PLOT_X)}")
-    runs = []
-    for out_dir in out_dirs:
-        path = os.path.join(out_dir, "metrics.jsonl")
-        if not os.path.isfile(path):
-            raise ConfigError(f"no metrics.jsonl in {out_dir!r}; pass the out_dir of a run")
-        runs.append((out_dir, read_metrics(path)))
-    labels = run_labels(out_dirs)
-    height = 3.5 if len(runs) == 1 else 3.5 + 0.3 * len(runs)  # room for the legend below
-    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), height))
-    for ax, (key, title) in zip(axes, PLOT_PANELS):
-        for (out_dir, rows), label in zip(runs, labels):
-            xs = plot_x(rows, x, out_dir)
-            pts = [(xs[r["step"]], r[key]) for r in rows if key in r and r["step"] in xs]
-            if pts:
-                ax.plot(*zip(*pts), marker="o" if key.startswith("val") else None, markersize=3, label=label)
-        ax.set_title(title)
-        ax.set_xlabel(PLOT_X[x])
-        ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4))  # 175,000 samples as 1.75e5
-    if len(runs) == 1:
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-    else:  # one legend for all panels, below them: the labels can be long
-        handles, names = axes[0].get_legend_handles_labels()
-        fig.legend(handles, names, loc="lower center", fontsize=8)
-        fig.tight_layout(rect=(0, 0.06 * len(runs), 1, 1))
-    if png is None and len(runs) == 1:
-        png = os.path.join(out_dirs[0], "metrics.png")
-    elif png is None:
-        png = os.path.join(os.path.commonpath([os.path.abspath(d) for d in out_dirs]), f"ablation_{x}.png")
-    fig.savefig(png, dpi=100)
-    return png
-
-
-def run_labels(out_dirs: list[str]) -> list[str]:
-    """A legend label per run: the config values (out_dir/config.json) that differ between the runs, else the
-    run directory's name."""
-    configs = []
-    for out_dir in out_dirs:
-        path = os.path.join(out_dir, "config.json")
-        configs.append(json.load(open(path)) if os.path.isfile(path) else {})
-    ignored = {"out_dir", "experiment_name"}
-    keys = sorted({k for c in configs for k in c} - ignored)
-    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
-    labels = []
-    for out_dir, c in zip(out_dirs, configs):
-        if differ:
-            labels.append(", ".join(f"{k}={c.get(k)}" for k in differ))
-        else:
-            labels.append(os.path.basename(os.path.normpath(out_dir)))
-    return labels
-
-
-def plot_x(rows: list[dict], x: str, out_dir: str) -> dict:
-    """step -> the horizontal coordinate: the step, the responses generated up to it (gen batches x
-    gen_batch_size x n, from out_dir/config.json), or the wall-clock seconds of all steps up to it."""
-    if x == "step":
-        return {r["step"]: r["step"] for r in rows}
-    per_step = {}
-    if x == "samples":
-        cfg = json.load(open(os.path.join(out_dir, "config.json")))
-        for r in rows:
-            if "sampling/num_gen_batches" in r:
-                per_step[r["step"]] = r["sampling/num_gen_batches"] * cfg["gen_batch_size"] * cfg["n"]
-    else:
-        for r in rows:
-            if "timing_s/step" in r:
-                per_step[r["step"]] = r["timing_s/step"]
-    coordinate, total = {0: 0.0}, 0.0
-    for step in sorted(per_step):
-        total += per_step[step]
-        coordinate[step] = total
-    return coordinate
-
+# command line: train, --dry_run
 
 # exit codes: 0 done (or stopped by a signal after a checkpoint),
 # 2 bad input (config, data, model, checkpoint), 3 the run could not continue, 128 + N a second signal N
@@ -1464,11 +1369,6 @@ RUN_FAILED = (RunError, CheckpointError)
 
 def main(argv: list[str]) -> int:
     try:
-        if argv[:1] == ["--plot"]:  # --plot RUN_DIR [RUN_DIR ...] [--x=step|samples|time] [--png=PATH]
-            options = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
-            dirs = [a for a in argv[1:] if not a.startswith("--")] or [Config().out_dir]
-            print(f"wrote {plot(dirs, x=options.get('x', 'step'), png=options.get('png'))}")
-            return 0
         cfg, flags = parse_args(Config, [a for a in argv if a != "--"])  # torchrun: script -- --key=value
         if flags["dry_run"]:
             plan.dry_run(cfg)
@@ -1479,10 +1379,7 @@ def main(argv: list[str]) -> int:
         return EXIT_RUN_FAILED if isinstance(e, RUN_FAILED) else EXIT_BAD_INPUT
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
-        try:
-            print(f"plot: {plot([cfg.out_dir])}")
-        except ConfigError as e:
-            print(f"(no plot: {e})")
+        print(f"plot them: python tools/plot.py {cfg.out_dir}")
     return 0
 
 

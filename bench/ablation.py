@@ -4,7 +4,7 @@ sharing one GPU), each arm the same config with one knob changed, then plots the
 
     python bench/ablation.py configs/smollm2_135m_dapo.py --root out/ablation --deadline 540
     python bench/ablation.py configs/smollm2_135m_dapo.py --root out/ablation --deadline 540   # again: resumes
-    python train_dapo.py --plot out/ablation/base out/ablation/clip_symmetric --x=step
+    python tools/plot.py out/ablation/base out/ablation/clip_symmetric --x=step
 
 Every arm writes out_dir = ROOT/NAME. At the deadline (seconds) every arm still running gets SIGTERM: it finishes its
 step, writes a checkpoint and exits, so the same command later resumes every arm where it stopped (resume="auto").
@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train_dapo as T  # noqa: E402
+from tools import plot  # noqa: E402
 
 # name -> the overrides of that arm (the baseline twice, with two seeds, for the run-to-run spread)
 ARMS = {
@@ -97,7 +98,7 @@ def main():
     for png, arms, x in FIGURES:
         dirs = [os.path.join(args.root, a) for a in arms if steps_done(os.path.join(args.root, a)) > 0]
         if len(dirs) > 1:
-            print(f"wrote {T.plot(dirs, x=x, png=os.path.join(args.root, png))}")
+            print(f"wrote {plot.plot(dirs, x=x, png=os.path.join(args.root, png))}")
 
 
 if __name__ == "__main__":

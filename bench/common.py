@@ -9,6 +9,7 @@ import time
 
 import torch
 
+import hf
 import model as M
 from demo.warmstart import write_tokenizer
 
@@ -96,7 +97,7 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 20) -> float:
 
 def model_config(shape: str, tiny: bool = False) -> M.ModelConfig:
     """A published shape from model.KNOWN_CONFIGS, or TINY for CPU runs."""
-    return M.ModelConfig(**TINY) if tiny else M.ModelConfig.from_hf(M.KNOWN_CONFIGS[shape])
+    return M.ModelConfig(**TINY) if tiny else M.ModelConfig.from_hf(hf.KNOWN_CONFIGS[shape])
 
 
 def random_model(cfg: M.ModelConfig, device, dtype=torch.float32, seed: int = 0) -> M.Transformer:
@@ -109,7 +110,7 @@ def random_model(cfg: M.ModelConfig, device, dtype=torch.float32, seed: int = 0)
 def write_random_model(path: str, cfg: M.ModelConfig, device, seed: int = 0):
     """An HF model directory: config.json, bf16 safetensors, the demo's byte-level tokenizer and chat template
     (a few hundred ids, inside any real model's vocabulary and TINY's)."""
-    M.save_pretrained(random_model(cfg, device, torch.bfloat16, seed), path)
+    hf.save_pretrained(random_model(cfg, device, torch.bfloat16, seed), path)
     write_tokenizer(path)
 
 

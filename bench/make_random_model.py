@@ -11,7 +11,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/
 
 import data  # noqa: E402
-import model as M  # noqa: E402
+import hf  # noqa: E402
 import parallel  # noqa: E402
 from tools.prepare_data import make_arith_rows  # noqa: E402
 from bench.common import model_config, write_random_model  # noqa: E402
@@ -19,7 +19,7 @@ from bench.common import model_config, write_random_model  # noqa: E402
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(M.KNOWN_CONFIGS))
+    ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(hf.KNOWN_CONFIGS))
     a = ap.parse_args()
     cfg = model_config(a.shape)
     write_random_model(os.path.join(a.out, "model"), cfg, parallel.get_device())

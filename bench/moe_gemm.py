@@ -12,10 +12,11 @@ import time
 import torch
 
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/
+import hf  # noqa: E402
 import model as M  # noqa: E402
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-cfg = M.ModelConfig.from_hf({**M.KNOWN_CONFIGS["qwen3-30b-a3b"], "num_hidden_layers": 1})
+cfg = M.ModelConfig.from_hf({**hf.KNOWN_CONFIGS["qwen3-30b-a3b"], "num_hidden_layers": 1})
 torch.manual_seed(0)
 dev = torch.device("cuda")
 ref = M.MoE(cfg).to(dev)

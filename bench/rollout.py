@@ -21,7 +21,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import model as M  # noqa: E402
+import hf  # noqa: E402
 import parallel  # noqa: E402
 import rollout as R  # noqa: E402
 from bench.common import VLLM_ENV, dump, median_seconds, model_config, random_model, timed, versions  # noqa: E402
@@ -116,7 +116,7 @@ gen = torch.Generator().manual_seed(0)
 PROMPTS = {B: torch.randint(100, cfg.vocab_size - 100, (B, P), generator=gen).tolist() for B in Bs}
 if any(e in engines for e in ("hf", "vllm")):
     t0 = time.perf_counter()
-    M.save_pretrained(model, args.ckpt_dir)
+    hf.save_pretrained(model, args.ckpt_dir)
     print(f"saved checkpoint to {args.ckpt_dir} in {time.perf_counter() - t0:.1f} s")
 
 # -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+import hf  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import rollout as R  # noqa: E402
@@ -26,7 +27,7 @@ from bench.common import (ROOT, VLLM_ENV, dump, median_seconds, model_config, ou
 
 p = argparse.ArgumentParser()
 p.add_argument("--engine", default="torch", choices=["torch", "vllm"])
-p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(M.KNOWN_CONFIGS))
+p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(hf.KNOWN_CONFIGS))
 p.add_argument("--buckets", default="64,256,512,1024", help="bucket sizes in MB (2**20 bytes), comma list")
 p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--tiny", action="store_true", help="tiny model on the CPU: a smoke test of this script")

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import data  # noqa: E402
+import hf  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import train_dapo as T  # noqa: E402
@@ -34,7 +35,7 @@ from bench.common import (dump, matmul_peak, model_config, out_path, peak_breakd
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
 p.add_argument("--device", default=None, help="cuda | cpu (default: the accelerator when available)")
-p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(M.KNOWN_CONFIGS))
+p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(hf.KNOWN_CONFIGS))
 p.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (0 = all): a MoE that fits")
 p.add_argument("--prompt-len", type=int, default=256)
 p.add_argument("--max-response", type=int, default=2048)

@@ -28,6 +28,7 @@ import time
 import torch
 
 import data
+import hf
 import model as M
 from tools import prepare_data
 from reward import compute_score
@@ -168,7 +169,7 @@ def main():
             if done:
                 break
 
-    M.save_pretrained(model, model_dir)  # fp32, next to the tokenizer files
+    hf.save_pretrained(model, model_dir)  # fp32, next to the tokenizer files
     size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
     print(f"saved {model_dir} after {step} steps: {cfg.num_params():,} params, {size / 2**20:.2f} MiB")
     stats = evaluate(model, tok, val_rows, seed=args.seed)

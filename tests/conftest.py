@@ -35,6 +35,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import data
+import hf
 import model as M
 import train_dapo as T
 from tools import prepare_data
@@ -73,7 +74,7 @@ def make_model_dir(path, seed=0, hidden=32, layers=2):
     cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=vocab_size, hidden_size=hidden,
                         intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
                         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512)
-    M.save_pretrained(M.Transformer(cfg).init_weights(seed=seed), str(path))
+    hf.save_pretrained(M.Transformer(cfg).init_weights(seed=seed), str(path))
     return path
 
 

@@ -24,6 +24,7 @@ import sys
 import torch
 
 import checkpoint
+import hf
 import model as M
 import parallel
 
@@ -92,7 +93,7 @@ def moe_run(model, opt, dims, steps=3):
         moe_loss(model, dims, docs)[0].backward()
         parallel.clip_grad_norm_(list(model.parameters()), 1.0)
         opt.step()
-    pushed = list(parallel.iter_full_weights(model, bucket_bytes=4096, dtype=torch.float32, rename=M.hf_tensors))
+    pushed = list(parallel.iter_full_weights(model, bucket_bytes=4096, dtype=torch.float32, rename=hf.hf_tensors))
     out["hf"] = {k: v for b in pushed for k, v in b}
     out["bucket_bytes"] = [sum(v.numel() * v.element_size() for _, v in b) for b in pushed]
     return out
@@ -148,7 +149,7 @@ def main(mode, ckpt_dir, out):
     shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
         (lambda m: parallel.parallelize(m, dims, param_dtype=dtype, compile=mode.endswith("compile"))) \
         if dims.sharded else None
-    model = M.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
+    model = hf.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
     result = {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if mode in ("fsdp", "tp", "fsdp_tp", "single"):

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import checkpoint
-import model as M
+import hf
 import parallel
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -56,7 +56,7 @@ def run_job(model_dir: str, job: str) -> dict:
     action, ep, path = job.split(":", 2)
     dims = parallel.init_distributed("cpu", ep=int(ep))  # the process group is made once; a new mesh per job
     shard = (lambda m: parallel.parallelize(m, dims, param_dtype=torch.float32)) if dims.sharded else None
-    model = M.from_pretrained(model_dir, dtype=torch.float32, parallelize=shard)
+    model = hf.from_pretrained(model_dir, dtype=torch.float32, parallelize=shard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     if action == "save":
         adamw_steps(model, opt, dims, SAVE_AT)

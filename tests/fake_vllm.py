@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+import hf
 import model as M
 import rollout as R
 
@@ -32,7 +33,7 @@ class LLM:
         self.kwargs, self.calls, self.awake = kwargs, [], {"weights", "kv_cache"}
         if kwargs.get("distributed_executor_backend") == "external_launcher":  # as vLLM's executor reads them
             self.rank, self.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-        config = M.load_config(kwargs["model"])
+        config = hf.load_config(kwargs["model"])
         limit, max_model_len = config.max_position_embeddings, kwargs.get("max_model_len")
         if max_model_len is not None and max_model_len > limit:  # vLLM's ModelConfig check, in its words
             raise ValueError(f"User-specified max_model_len ({max_model_len}) is greater than the derived "
@@ -68,13 +69,13 @@ class LLM:
 
     def _load(self, weights):
         assert "weights" in self.awake, "load_weights while the weights are asleep"
-        targets = M.hf_targets(self.model)  # HF names only, as vLLM's own modules are named
+        targets = hf.hf_targets(self.model)  # HF names only, as vLLM's own modules are named
         names = []
         with torch.no_grad():
             for name, t in weights:
                 if name not in targets:
                     raise KeyError(f"{name!r} is not an HF tensor name of this model")
-                M.copy_hf_tensor(*targets[name], t)
+                hf.copy_hf_tensor(*targets[name], t)
                 names.append(name)
         self.calls.append(("load", tuple(names)))
 

@@ -10,7 +10,7 @@ import transformers
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-import model as M
+import hf
 
 TINY_MOE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=5, num_experts_per_tok=2,
@@ -49,7 +49,7 @@ def fsdp_load(model_dir, out):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
-    model = M.from_pretrained(model_dir, dtype=torch.float32, parallelize=shard)
+    model = hf.from_pretrained(model_dir, dtype=torch.float32, parallelize=shard)
     local = {n: p.to_local().clone() for n, p in model.named_parameters()}
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
     if torch.distributed.get_rank() == 0:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import checkpoint
+import hf
 import model as M
 import parallel
 
@@ -29,7 +30,7 @@ def trained(seed=0):
 
 
 def save(path, model, opt, state=STATE):
-    checkpoint.save_checkpoint(str(path), model, opt, state, DIMS, export=lambda tmp: M.save_pretrained(model, tmp))
+    checkpoint.save_checkpoint(str(path), model, opt, state, DIMS, export=lambda tmp: hf.save_pretrained(model, tmp))
 
 
 def snapshot(model):

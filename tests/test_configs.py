@@ -1,5 +1,5 @@
 """configs/*.py: every recipe parses and validates at its own world size; the 32B recipe's batch arithmetic; the
---dry_run memory planner (plan.memory_plan) on a tiny made-up model, by hand; model.KNOWN_CONFIGS against the
+--dry_run memory planner (plan.memory_plan) on a tiny made-up model, by hand; hf.KNOWN_CONFIGS against the
 published parameter counts."""
 import dataclasses
 import functools
@@ -9,6 +9,7 @@ import os
 import pytest
 
 import config
+import hf
 import model as M
 import plan
 import train_dapo as T
@@ -44,7 +45,7 @@ def test_qwen32b_batch_arithmetic_at_128_gpus():
 def test_recipe_model_is_known_to_the_planner(path):
     """--dry_run plans without the model present: the model directory's name is a KNOWN_CONFIGS key."""
     cfg, _ = T.parse_args(T.Config, [path])
-    assert os.path.basename(cfg.model_path.rstrip("/")).lower() in M.KNOWN_CONFIGS
+    assert os.path.basename(cfg.model_path.rstrip("/")).lower() in hf.KNOWN_CONFIGS
 
 
 # published parameter counts (Hugging Face model pages / safetensors totals), including embeddings
@@ -53,16 +54,16 @@ PUBLISHED = {"qwen2.5-32b": 32.76e9, "qwen2.5-7b": 7.62e9, "qwen3-8b": 8.19e9, "
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_known_configs_match_published_parameter_counts(name):
-    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS[name])
+    mc = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS[name])
     assert mc.num_params() == pytest.approx(PUBLISHED[name], rel=0.01)
 
 
 def test_known_configs_architecture_details():
-    q3 = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-8b"])
+    q3 = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen3-8b"])
     assert (q3.qk_norm, q3.attention_bias, q3.head_dim) == (True, False, 128)
-    q2 = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])
+    q2 = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen2.5-32b"])
     assert (q2.qk_norm, q2.attention_bias, q2.head_dim) == (False, True, 128)  # 5120 / 40
-    assert M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2-0.5b-instruct"]).tie_word_embeddings
+    assert M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen2-0.5b-instruct"]).tie_word_embeddings
 
 
 # -----------------------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_memory_plan_of_an_engine_that_stays_awake():
 
 def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
     cfg, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "qwen32b.py")])
-    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-32b"])
+    mc = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen2.5-32b"])
     plans = [plan.memory_plan(cfg, mc, 128, g, engine="vllm") for g in (80, 141)]
     text = plan.format_memory_plan(plans)
     assert "80 GiB" in text and "141 GiB" in text and "world 128 = dp 16 x sp 8 x tp 1" in text
@@ -283,7 +284,7 @@ def test_qwen3_235b_recipe_plan():
     """256 GPUs = dp 32 x sp 8, EP 8 within each node: fits 141 GiB GPUs with room for the vLLM KV cache; on 80 GiB
     GPUs the engines hold fewer full-length sequences than a group of n (the header says so)."""
     cfg, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "qwen3_235b_dapo.py")])
-    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-235b-a22b"])
+    mc = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen3-235b-a22b"])
     big, small = (plan.memory_plan(cfg, mc, cfg.nnodes * cfg.n_gpus_per_node, g, engine="vllm") for g in (141, 80))
     assert (big["dp"], big["sp"], big["ep"], big["world_size"]) == (32, 8, 8, 256)
     assert round(big["num_params"] / 1e9, 1) == 235.1 and round(big["num_active_params"] / 1e9, 1) == 22.2
@@ -321,7 +322,7 @@ def test_gradient_checkpointing_takes_a_block_count_up_to_the_model_depth(tiny_d
 
 
 def test_memory_plan_of_an_asynchronous_run_puts_the_engine_on_the_generator_gpus():
-    mc = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen2.5-7b"])  # 28 layers, 4 kv heads of 128
+    mc = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen2.5-7b"])  # 28 layers, 4 kv heads of 128
     cfg = dict(tp_size=1, max_num_seqs=256, max_prompt_length=1024, max_response_length=3072)
     colocated = plan.memory_plan(planner_cfg(**cfg), mc, 1, 141, runtime_gib=0)
     p = plan.memory_plan(planner_cfg(**cfg, rollout_gpus=1), mc, 1, 141, runtime_gib=0)

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import hf
 import model as M
 import parallel
 
@@ -30,7 +31,7 @@ def moe_dir(tmp_path_factory):
 def reference(moe_dir):
     """One process: the whole batch in one forward, the same loss, steps and push as dist_check.moe_run."""
     dims = parallel.init_distributed("cpu")
-    m = M.from_pretrained(moe_dir, dtype=torch.float32)
+    m = hf.from_pretrained(moe_dir, dtype=torch.float32)
     routed = []  # per MoE layer, the number of rows each expert receives from each document
     count = lambda mod, args: routed.append(torch.diff(args[1], prepend=args[1].new_zeros(1)))  # noqa: E731
     hooks = [layer.mlp.experts.register_forward_pre_hook(count) for layer in m.model.layers]
@@ -70,7 +71,7 @@ def test_moe_training_matches_single_process(moe_dir, reference, tmp_path, mode,
     assert max_diff(ref["grads"], got["grads"]) < 1e-6
     assert max_diff(ref["params"], got["params"]) < 1e-4  # 3 AdamW steps, as test_parallel.py
     # the push: HF per-expert names, the trained weights, buckets of 4096 bytes + at most one tensor
-    expected = {k: v for n, p in ref["params"].items() for k, v in M.hf_tensors(n, p.detach())}
+    expected = {k: v for n, p in ref["params"].items() for k, v in hf.hf_tensors(n, p.detach())}
     assert "model.layers.1.mlp.experts.7.up_proj.weight" in got["hf"] and got["hf"].keys() == expected.keys()
     assert max_diff(expected, got["hf"]) < 1e-4
     assert max(got["bucket_bytes"][:-1]) < 4096 + max(v.numel() * 4 for v in expected.values())
@@ -120,7 +121,7 @@ def test_router_replay_under_sequence_parallelism_matches_one_process(moe_dir, t
     log-probs and gradients equal one process replaying the same routing, which differs from the router's own."""
     torchrun_dist_check(2, "sp_replay", moe_dir, tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
-    m = M.from_pretrained(moe_dir, dtype=torch.float32)
+    m = hf.from_pretrained(moe_dir, dtype=torch.float32)
     want = dist_check.replay_forward_backward(m)
     assert (got["logp"] - want["logp"]).abs().max().item() < 1e-5
     assert max(g.abs().max().item() for g in want["grads"].values()) > 1.0  # a sum over ~30 tokens: fp32 rounding

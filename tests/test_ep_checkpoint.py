@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import model as M
+import hf
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
@@ -51,7 +51,7 @@ def test_the_saved_state_is_trained_and_sharded_as_asked(runs):
     expert stacks are split as its layout says (rank 0's slice of [8 experts, 2 x 16, 32]); the HF export beside
     the shards holds the saved weights."""
     one, ep2 = runs[1, "save:1:one"], runs[2, "save:2:ep2"]
-    initial = dict(M.from_pretrained(runs["model_dir"], dtype=torch.float32).named_parameters())
+    initial = dict(hf.from_pretrained(runs["model_dir"], dtype=torch.float32).named_parameters())
     assert max_diff(one["params"], initial) > 1e-3
     assert max_diff(one["params"], ep2["params"]) < 1e-4  # as tests/test_ep.py after AdamW steps
     assert max_diff(ep2["next_params"], ep2["params"]) > 1e-3
@@ -63,7 +63,7 @@ def test_the_saved_state_is_trained_and_sharded_as_asked(runs):
         (2, "load:1:ep2"): ((4, 32, 32), ("fsdp",)),
         (4, "load:4:ep2"): ((2, 32, 32), ("efsdp", "ep")), (4, "load:2:ep2"): ((4, 16, 32), ("efsdp", "ep")),
         (4, "save:2:ep2_of_4"): ((4, 16, 32), ("efsdp", "ep"))}
-    exported = dict(M.from_pretrained(runs["ckpt"]["ep2"], dtype=torch.float32).named_parameters())
+    exported = dict(hf.from_pretrained(runs["ckpt"]["ep2"], dtype=torch.float32).named_parameters())
     assert all(torch.equal(exported[k], v) for k, v in ep2["params"].items())
 
 

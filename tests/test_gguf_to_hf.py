@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 import data
+import hf
 import model as M
 
 gguf = pytest.importorskip("gguf")
@@ -244,7 +245,7 @@ def converted(tmp_path_factory):
 def test_logits_equal_transformers_gguf_loader(converted, case):
     path, out, _, _, tm = converted[case]
     ids = torch.tensor([random.Random(0).choices(range(len(tm["tokens"])), k=24)])
-    ours = M.from_pretrained(out, dtype=torch.float32)
+    ours = hf.from_pretrained(out, dtype=torch.float32)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                dtype=torch.float32).eval()
     hf_dir = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()  # our files
@@ -276,8 +277,8 @@ def test_bfloat16_is_the_default_dtype(converted, tmp_path):
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     with open(tmp_path / "bf16" / "config.json") as f:
         assert json.load(f)["torch_dtype"] == "bfloat16"
-    bf16 = M.from_pretrained(str(tmp_path / "bf16"), dtype=torch.float32)
-    fp32 = M.from_pretrained(converted["qwen2-tied-q8_0"][1], dtype=torch.float32)
+    bf16 = hf.from_pretrained(str(tmp_path / "bf16"), dtype=torch.float32)
+    fp32 = hf.from_pretrained(converted["qwen2-tied-q8_0"][1], dtype=torch.float32)
     for (name, a), b in zip(bf16.state_dict().items(), fp32.state_dict().values()):
         assert torch.equal(a, b.bfloat16().float()), name
 
@@ -289,8 +290,8 @@ def test_shards_above_max_shard_bytes(converted, tmp_path):
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
     ids = torch.tensor([[5, 17, 99, 3, 250]])
     with torch.no_grad():
-        a = M.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32)(ids)
-        b = M.from_pretrained(out, dtype=torch.float32)(ids)
+        a = hf.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32)(ids)
+        b = hf.from_pretrained(out, dtype=torch.float32)(ids)
     assert torch.equal(a, b)
 
 
@@ -325,7 +326,7 @@ def test_llama3_rope_scaling_is_read_from_rope_freqs(tmp_path):
     assert written.pop("rope_type") == "llama3" and written == pytest.approx(numbers, rel=1e-6)
     ids = torch.tensor([list(range(0, 240, 10))])
     with torch.no_grad():
-        assert (M.from_pretrained(out, dtype=torch.float32)(ids) - original(ids).logits).abs().max() < 1e-4
+        assert (hf.from_pretrained(out, dtype=torch.float32)(ids) - original(ids).logits).abs().max() < 1e-4
     bad = {"rope_freqs.weight": factors.flip(0)}  # factors that are no Llama-3 scaling: refused
     write_gguf(tmp_path / "bad.gguf", "llama", "llama-bpe", True, "F32", True, extra_tensors=bad)
     with pytest.raises(gguf_to_hf.GGUFConversionError, match="rope_freqs.weight"):
@@ -447,7 +448,7 @@ def test_a_failed_write_leaves_nothing(converted, tmp_path, monkeypatch):
 def test_an_empty_output_directory_is_filled(converted, tmp_path):
     (tmp_path / "out").mkdir()
     gguf_to_hf.convert(str(converted["qwen2-tied-q8_0"][0]), str(tmp_path / "out"))
-    assert M.check_weights(str(tmp_path / "out")).tie_word_embeddings and os.listdir(tmp_path) == ["out"]
+    assert hf.check_weights(str(tmp_path / "out")).tie_word_embeddings and os.listdir(tmp_path) == ["out"]
 
 
 def test_command_line(converted, tmp_path, monkeypatch, capsys):
@@ -456,7 +457,7 @@ def test_command_line(converted, tmp_path, monkeypatch, capsys):
                                       "float32"])
     gguf_to_hf.main()
     assert "LlamaForCausalLM, 2 layers" in capsys.readouterr().out
-    assert M.check_weights(str(tmp_path / "cli")).tie_word_embeddings
+    assert hf.check_weights(str(tmp_path / "cli")).tie_word_embeddings
     monkeypatch.setattr(sys, "argv", ["gguf_to_hf.py", str(path), str(tmp_path / "cli")])
     with pytest.raises(SystemExit, match="already exists and is not an empty directory"):
         gguf_to_hf.main()
@@ -485,6 +486,6 @@ def test_smollm2_gguf_equals_transformers(tmp_path):
     with torch.no_grad():
         expected = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                      dtype=torch.float32)(ids).logits
-        assert (M.from_pretrained(out, dtype=torch.float32)(ids) - expected).abs().max() < 1e-4
+        assert (hf.from_pretrained(out, dtype=torch.float32)(ids) - expected).abs().max() < 1e-4
         hf_dir = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         assert (hf_dir(ids).logits - expected).abs().max() < 1e-4

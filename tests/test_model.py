@@ -5,6 +5,7 @@ import pytest
 import safetensors.torch
 import torch
 
+import hf
 import model as M
 from conftest import make_model_dir
 
@@ -44,7 +45,7 @@ def hf_dir(request, tmp_path):
 def test_load_sharded_matches_transformers_logits(hf_dir):
     arch, ref, path = hf_dir
     assert (path / "model.safetensors.index.json").exists()
-    ours = M.from_pretrained(str(path), dtype=torch.float32)
+    ours = hf.from_pretrained(str(path), dtype=torch.float32)
     ids = torch.randint(0, TINY["vocab_size"], (3, 40))
     with torch.no_grad():
         expected = ref(ids).logits
@@ -62,7 +63,7 @@ def _cfg_kwargs(c):
 
 def test_packed_path_equals_each_document_alone(hf_dir):
     _, _, path = hf_dir
-    ours = M.from_pretrained(str(path), dtype=torch.float32)
+    ours = hf.from_pretrained(str(path), dtype=torch.float32)
     docs = [torch.randint(0, 97, (n,)).tolist() for n in (5, 17, 1, 9)]
     ids, pos, batch = M.pack_sequences(docs)
     with torch.no_grad():
@@ -73,15 +74,15 @@ def test_packed_path_equals_each_document_alone(hf_dir):
 
 def test_save_pretrained_round_trips_through_transformers(hf_dir, tmp_path_factory):
     _, ref, path = hf_dir
-    ours = M.from_pretrained(str(path), dtype=torch.float32)
+    ours = hf.from_pretrained(str(path), dtype=torch.float32)
     out = tmp_path_factory.mktemp("saved")
-    M.save_pretrained(ours, str(out), max_shard_bytes=50_000)
+    hf.save_pretrained(ours, str(out), max_shard_bytes=50_000)
     assert (out / "model.safetensors.index.json").exists()
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ids = torch.randint(0, 97, (2, 30))
     with torch.no_grad():
         assert (back(ids).logits - ref(ids).logits).abs().max().item() <= 1e-5
-    again = M.from_pretrained(str(out), dtype=torch.float32)  # and we read our own output
+    again = hf.from_pretrained(str(out), dtype=torch.float32)  # and we read our own output
     for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), again.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
 
@@ -207,9 +208,9 @@ def test_checkpointing_the_first_n_blocks_recomputes_only_those(monkeypatch):
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
     with pytest.raises(ValueError, match="MistralForCausalLM.*Qwen2ForCausalLM"):
-        M.from_pretrained(str(tmp_path))
+        hf.from_pretrained(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no config.json in model directory"):
-        M.from_pretrained(str(tmp_path / "nope"))
+        hf.from_pretrained(str(tmp_path / "nope"))
 
 
 # -----------------------------------------------------------------------------
@@ -223,14 +224,14 @@ def edit_config(path, **changes):
 
 
 def test_context_limit_is_on_the_config(tmp_path):
-    assert M.load_config(str(make_model_dir(tmp_path))).max_position_embeddings == 512
+    assert hf.load_config(str(make_model_dir(tmp_path))).max_position_embeddings == 512
 
 
 def test_wrong_shape_names_tensor_file_and_both_shapes(tmp_path):
     path = make_model_dir(tmp_path)
     edit_config(path, intermediate_size=80)
     with pytest.raises(ValueError) as e:
-        M.from_pretrained(str(path), dtype=torch.float32)
+        hf.from_pretrained(str(path), dtype=torch.float32)
     msg = str(e.value)
     assert "'model.layers.0.mlp.down_proj.weight'" in msg and "model.safetensors" in msg
     assert "the checkpoint has (32, 64), config.json implies (32, 80)" in msg
@@ -243,7 +244,7 @@ def test_missing_tensors_are_listed(tmp_path):
         del tensors[name]
     safetensors.torch.save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError) as e:
-        M.from_pretrained(str(path), dtype=torch.float32)
+        hf.from_pretrained(str(path), dtype=torch.float32)
     msg = str(e.value)
     assert "lacks 2 tensors" in msg and "'model.layers.1.mlp.up_proj.weight', 'model.norm.weight'" in msg
 
@@ -253,26 +254,26 @@ def test_truncated_safetensors_names_the_file(tmp_path):
     f = path / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(ValueError) as e:
-        M.from_pretrained(str(path), dtype=torch.float32)
+        hf.from_pretrained(str(path), dtype=torch.float32)
     assert str(f) in str(e.value) and "truncated or corrupt" in str(e.value)
 
 
 def test_missing_shard_names_index_and_shard(tmp_path):
     path = make_model_dir(tmp_path)
-    M.save_pretrained(M.from_pretrained(str(path), dtype=torch.float32), str(path), max_shard_bytes=20_000)
+    hf.save_pretrained(hf.from_pretrained(str(path), dtype=torch.float32), str(path), max_shard_bytes=20_000)
     (path / "model.safetensors").unlink()  # the single file from make_model_dir, superseded by the index
     shards = sorted(path.glob("model-*.safetensors"))
     assert len(shards) > 1
     shards[-1].unlink()
     with pytest.raises(FileNotFoundError, match=f"model.safetensors.index.json lists 1 shard.*{shards[-1].name}"):
-        M.from_pretrained(str(path), dtype=torch.float32)
+        hf.from_pretrained(str(path), dtype=torch.float32)
 
 
 def test_kv_heads_must_divide_heads(tmp_path):
     path = make_model_dir(tmp_path)
     edit_config(path, num_key_value_heads=3)
     with pytest.raises(ValueError) as e:
-        M.load_config(str(path))
+        hf.load_config(str(path))
     msg = str(e.value)
     assert "config.json" in msg and "num_key_value_heads=3 does not divide num_attention_heads=4" in msg
 
@@ -281,7 +282,7 @@ def test_unreadable_config_json(tmp_path):
     path = make_model_dir(tmp_path)
     (path / "config.json").write_text('{"architectures": ')
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
-        M.load_config(str(path))
+        hf.load_config(str(path))
     (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 32}))
     with pytest.raises(ValueError, match="config.json has no 'vocab_size'"):
-        M.load_config(str(path))
+        hf.load_config(str(path))

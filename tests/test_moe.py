@@ -10,6 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
+import hf
 import model as M
 
 transformers = pytest.importorskip("transformers")
@@ -36,7 +37,7 @@ def hf_dir(request, tmp_path):
 def test_loads_transformers_checkpoint_with_the_same_logits(hf_dir):
     ref, path = hf_dir
     assert (path / "model.safetensors.index.json").exists()  # sharded
-    ours = M.from_pretrained(str(path), dtype=torch.float32)
+    ours = hf.from_pretrained(str(path), dtype=torch.float32)
     kinds = [type(layer.mlp).__name__ for layer in ours.model.layers]
     assert kinds == (DENSE_MIXED_IN if ref.config.num_hidden_layers == 6 else ["MoE", "MoE"])
     ids = torch.randint(0, TINY_MOE["vocab_size"], (3, 40))
@@ -46,7 +47,7 @@ def test_loads_transformers_checkpoint_with_the_same_logits(hf_dir):
 
 def test_packed_logprobs_match_transformers_per_document(hf_dir):
     ref, path = hf_dir
-    ours = M.from_pretrained(str(path), dtype=torch.float32)
+    ours = hf.from_pretrained(str(path), dtype=torch.float32)
     docs = [torch.randint(0, 61, (n,)).tolist() for n in (7, 19, 1, 12)]
     ids, pos, batch = M.pack_sequences(docs)
     targets = torch.roll(ids, -1, dims=1)
@@ -59,9 +60,9 @@ def test_packed_logprobs_match_transformers_per_document(hf_dir):
 
 def test_save_pretrained_is_read_by_transformers(hf_dir, tmp_path_factory):
     ref, path = hf_dir
-    ours = M.from_pretrained(str(path), dtype=torch.float32)
+    ours = hf.from_pretrained(str(path), dtype=torch.float32)
     out = tmp_path_factory.mktemp("saved")
-    M.save_pretrained(ours, str(out), max_shard_bytes=30_000)
+    hf.save_pretrained(ours, str(out), max_shard_bytes=30_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     hf_index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(hf_index)  # HF's per-expert names: model.layers.N.mlp.experts.E.gate_proj.weight, ...
@@ -71,7 +72,7 @@ def test_save_pretrained_is_read_by_transformers(hf_dir, tmp_path_factory):
     ids = torch.randint(0, 61, (2, 30))
     with torch.no_grad():
         assert (back(ids).logits - ref(ids).logits).abs().max().item() <= 1e-5
-    again = M.from_pretrained(str(out), dtype=torch.float32)
+    again = hf.from_pretrained(str(out), dtype=torch.float32)
     for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), again.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
 
@@ -80,7 +81,7 @@ def test_gradients_and_aux_loss_match_transformers(tmp_path):
     """Enough tokens that every expert is routed to: every expert's slice of the stacks and the router get the
     gradient transformers computes, with and without activation checkpointing; the aux loss is transformers'."""
     ref = save_hf_moe(tmp_path, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1]).train()
-    ours = M.from_pretrained(str(tmp_path), dtype=torch.float32)
+    ours = hf.from_pretrained(str(tmp_path), dtype=torch.float32)
     ids = torch.randint(0, 61, (2, 48))
     probe = torch.randn(2, 48, 61)
     out = ref(ids, output_router_logits=True)
@@ -162,15 +163,15 @@ def test_check_weights_names_a_missing_expert(tmp_path):
     del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
     safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 tensors.*'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight'"):
-        M.check_weights(str(tmp_path))
+        hf.check_weights(str(tmp_path))
 
 
 def test_config_counts_and_published_shapes():
-    big = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-235b-a22b"])
+    big = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen3-235b-a22b"])
     assert round(big.num_params() / 1e9, 1) == 235.1 and round(big.num_active_params() / 1e9, 1) == 22.2
-    small = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-30b-a3b"])
+    small = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen3-30b-a3b"])
     assert round(small.num_params() / 1e9, 1) == 30.5 and round(small.num_active_params() / 1e9, 1) == 3.4
-    dense = M.ModelConfig.from_hf(M.KNOWN_CONFIGS["qwen3-8b"])
+    dense = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen3-8b"])
     assert dense.num_active_params() == dense.num_params()
     for overrides in ({}, dict(CASES["dense_layers_mixed_in"], tie_word_embeddings=True)):
         ref = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY_MOE, **overrides}))
@@ -191,7 +192,7 @@ def test_fsdp_sharded_expert_stacks_load_their_rows(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
-    ref = M.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
+    ref = hf.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
     for name, p in ref.named_parameters():
         assert torch.equal(got["full"][name], p.detach()), name
     assert torch.equal(got["local_rank0"]["model.layers.0.mlp.experts.down_proj"],

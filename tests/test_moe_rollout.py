@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fake_vllm
-import model as M
+import hf
 import parallel
 import rollout as R
 import vllm_check
@@ -40,7 +40,7 @@ def perturb_experts(model):
 
 @pytest.fixture
 def moe_dir(tmp_path, monkeypatch):
-    monkeypatch.setitem(M.KNOWN_CONFIGS, "qwen3-30b-a3b", TINY_MOE)
+    monkeypatch.setitem(hf.KNOWN_CONFIGS, "qwen3-30b-a3b", TINY_MOE)
     path = str(tmp_path / "moe")
     vllm_check.write_random_moe(path, "cpu", seed=3)
     return path
@@ -51,7 +51,7 @@ def test_vllm_push_gives_the_engine_the_trainers_experts_as_hf_views(monkeypatch
     received = []
     load = fake_vllm.LLM._load
     monkeypatch.setattr(fake_vllm.LLM, "_load", lambda self, w: load(self, (received.append(x) or x for x in w)))
-    trainer = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    trainer = hf.from_pretrained(moe_dir, dtype=torch.float32).eval()
     engine = R.VLLMEngine(moe_dir, max_model_len=64)
     llm = engine.llm
     engine.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=0)
@@ -88,11 +88,11 @@ def test_fake_vllm_refuses_a_stacked_expert_name_as_vllm_has_no_such_tensor(monk
         llm._load([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(6, 48, 64))])
 
 
-@pytest.mark.parametrize("rename", [None, M.hf_tensors])
+@pytest.mark.parametrize("rename", [None, hf.hf_tensors])
 def test_builtin_engine_loads_moe_weights_by_model_or_hf_names(moe_dir, rename):
-    trainer = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    trainer = hf.from_pretrained(moe_dir, dtype=torch.float32).eval()
     perturb_experts(trainer)
-    copy = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    copy = hf.from_pretrained(moe_dir, dtype=torch.float32).eval()
     engine = R.TorchEngine(copy, use_cuda_graph=False, shares_weights=False)
     buckets = [[(hf, t) for n, p in trainer.named_parameters()
                 for hf, t in (rename(n, p.detach()) if rename else [(n, p.detach())])]]
@@ -105,13 +105,13 @@ def test_builtin_engine_loads_moe_weights_by_model_or_hf_names(moe_dir, rename):
 def test_vllm_check_writes_and_passes_on_a_random_moe_against_the_fake(monkeypatch, tmp_path, capsys):
     """--random_moe N: a random model of qwen3-30b-a3b's config (here the tiny one) cut to N layers, written
     with the demo's tokenizer, then every check, against the fake."""
-    monkeypatch.setitem(M.KNOWN_CONFIGS, "qwen3-30b-a3b", TINY_MOE)
+    monkeypatch.setitem(hf.KNOWN_CONFIGS, "qwen3-30b-a3b", TINY_MOE)
     fake_vllm.install(monkeypatch)
     path, out = str(tmp_path / "moe"), tmp_path / "result.json"
     ok = vllm_check.main([path, "--random_moe", "1", "--device", "cpu", "--num_prompts", "4", "--max_tokens", "12",
                           "--out", str(out)])
     assert ok, capsys.readouterr().out
-    cfg = M.check_weights(path)
+    cfg = hf.check_weights(path)
     assert (cfg.num_hidden_layers, cfg.num_experts) == (1, 6)
     assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "model.safetensors",
                                         "tokenizer.json", "tokenizer_config.json"]
@@ -137,7 +137,7 @@ def test_router_replay_routes_the_trainers_forward_as_the_engine_did(monkeypatch
     routing changes them; the router still gets gradients through the weights of the replayed experts."""
     import train_dapo as T
     fake_vllm.install(monkeypatch)
-    trainer = M.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    trainer = hf.from_pretrained(moe_dir, dtype=torch.float32).eval()
     engine = R.VLLMEngine(moe_dir, max_model_len=64, engine_kwargs={"enable_return_routed_experts": True})
     assert engine.llm.kwargs["enable_return_routed_experts"] is True
     engine.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=0)

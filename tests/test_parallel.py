@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import hf
 import model as M
 import parallel
 
@@ -19,13 +20,13 @@ from conftest import max_diff, torchrun_dist_check  # noqa: E402
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("dist") / "model"
-    M.save_pretrained(M.Transformer(dist_check.tiny_config()).init_weights(seed=0), str(path))
+    hf.save_pretrained(M.Transformer(dist_check.tiny_config()).init_weights(seed=0), str(path))
     return path
 
 
 def single_process(model_dir, steps=3):
     dims = parallel.init_distributed("cpu")
-    m = M.from_pretrained(str(model_dir), dtype=torch.float32)
+    m = hf.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     losses = dist_check.train_steps(m, opt, dims, steps=steps)
     return m, opt, losses
@@ -58,7 +59,7 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode, nproc):
     import train_dapo as T
     from conftest import random_batch
     dims = parallel.init_distributed("cpu")
-    m = M.from_pretrained(str(model_dir), dtype=torch.float32)
+    m = hf.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)  # as dist_check.py
     cfg = T.Config(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                    ppo_micro_batch_size_per_gpu=6)
@@ -79,7 +80,7 @@ def test_checkpoint_resumes_at_another_world_size(model_dir, tmp_path, save_at, 
     got = torch.load(tmp_path / "loaded.pt")
     assert got["state"]["step"] == 1
     assert max_diff(dict(ref.named_parameters()), got["params"]) < 1e-4  # Adam amplifies fp32 rounding, as above
-    exported = M.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)  # the HF export after step 1
+    exported = hf.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)  # the HF export after step 1
     one, _, _ = single_process(model_dir, steps=1)
     assert max_diff(dict(one.named_parameters()), dict(exported.named_parameters())) < 1e-4
 
@@ -170,7 +171,7 @@ def test_mesh_of_one_computes_in_bf16_over_fp32_master_weights(model_dir, tmp_pa
     gradients are those of the bf16 model, kept in fp32 on the fp32 master parameters."""
     torchrun_dist_check(1, "bf16_one", model_dir, tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt")
-    ref = M.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    ref = hf.from_pretrained(str(model_dir), dtype=torch.bfloat16)
     want = dist_check.forward_backward(ref, types.SimpleNamespace(world_size=1))
     assert torch.equal(got["logp"], want["logp"]) and got["logp"].dtype == torch.float32
     assert {g.dtype for g in got["grads"].values()} == {torch.float32}

@@ -19,7 +19,7 @@ import checkpoint
 import data
 import train_dapo as T
 from conftest import ROOT, make_model_dir, run_metrics, trainer_argv
-from tools import prepare_data
+from tools import plot, prepare_data
 
 
 def write_rows(path, rows):
@@ -440,7 +440,7 @@ def test_partial_last_metrics_line_is_skipped_on_resume_and_plot(tiny_dir, tmp_p
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "tr')
     if importlib.util.find_spec("matplotlib"):
-        assert T.main(["--plot", str(run)]) == 0
+        assert plot.main([str(run)]) == 0 and (run / "metrics.png").exists()
 
 
 def test_full_disk_during_a_checkpoint_says_so_and_leaves_no_partial_directory(tiny_dir, tmp_path, capsys,

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import hf
 import model as M
 import parallel
 import plan
@@ -23,13 +24,13 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp")
     for kv in (2, 1):
         model = M.Transformer(dist_check.tiny_config(kv_heads=kv)).init_weights(seed=kv)
-        M.save_pretrained(model, str(root / f"kv{kv}"))
+        hf.save_pretrained(model, str(root / f"kv{kv}"))
     return {kv: str(root / f"kv{kv}") for kv in (2, 1)}
 
 
 def single_process(model_dir):
     dims = parallel.init_distributed("cpu")
-    m = M.from_pretrained(model_dir, dtype=torch.float32)
+    m = hf.from_pretrained(model_dir, dtype=torch.float32)
     result = dist_check.forward_backward(m, dims)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     result["losses"] = dist_check.train_steps(m, opt, dims)

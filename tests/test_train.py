@@ -13,11 +13,13 @@ import torch
 
 import config
 import data
+import hf
 import model as M
 import parallel
 import reference as ref
 import train_dapo as T
 from conftest import ROOT, random_batch, tiny_train_config
+from tools import plot
 
 # -----------------------------------------------------------------------------
 # config
@@ -266,7 +268,7 @@ def test_entropy_coefficient_zero_keeps_the_entropy_out_of_the_backward(monkeypa
 def test_router_aux_loss_adds_the_models_coefficient_times_the_load_balancing_gradient(tmp_path):
     from moe_util import save_hf_moe
     save_hf_moe(tmp_path / "moe", router_aux_loss_coef=0.5)
-    load = lambda: M.from_pretrained(str(tmp_path / "moe"), dtype=torch.float64)  # noqa: E731
+    load = lambda: hf.from_pretrained(str(tmp_path / "moe"), dtype=torch.float64)  # noqa: E731
     traj = random_batch(vocab=61)
     base = dict(train_batch_size=3, n=2, ppo_mini_batch_size=3, max_response_length=7, grad_clip=1e9,
                 temperature=1.0, ppo_micro_batch_size_per_gpu=6)  # one micro-batch: the aux loss is its own
@@ -322,7 +324,7 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
     assert "val/acc" in rows[0] and "val/acc" in rows[2] and "val/acc" in rows[3]
     assert (full / "checkpoints" / "step_3" / "COMPLETE").exists()
     export = str(full / "checkpoints" / "step_3")  # an HF model directory, usable as a model_path
-    exported, initial = (M.from_pretrained(path, dtype=torch.float32) for path in (export, DEMO_MODEL))
+    exported, initial = (hf.from_pretrained(path, dtype=torch.float32) for path in (export, DEMO_MODEL))
     for (name, p), (exported_name, q) in zip(trained.state_dict().items(), exported.state_dict().items()):
         assert exported_name == name and torch.equal(q, p), name  # the weights the run ended with
     assert any(not torch.equal(p, q) for p, q in zip(initial.parameters(), exported.parameters()))
@@ -330,7 +332,7 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
         DEMO_MODEL).eos_token_ids
     config.check_config(tiny_train_config(tiny_dir, tmp_path / "from_export", model_path=export))
     if importlib.util.find_spec("matplotlib"):
-        assert T.main(["--plot", str(full)]) == 0 and (full / "metrics.png").stat().st_size > 10_000
+        assert plot.main([str(full)]) == 0 and (full / "metrics.png").stat().st_size > 10_000
 
     part = tmp_path / "part"
     T.train(tiny_train_config(tiny_dir, part, total_training_steps=1, **demo))  # "stopped" after step 1
@@ -374,7 +376,7 @@ def test_kl_loss_and_ppo_epochs_path(tiny_dir, tmp_path, monkeypatch):
     b = batches[0]
     assert torch.equal(b.old_logp, b.ref_logp) and torch.equal(b.seq_final_reward, b.seq_reward)
 
-    model = M.from_pretrained(str(tiny_dir / "model"), dtype=torch.float64)  # the reference: initial weights
+    model = hf.from_pretrained(str(tiny_dir / "model"), dtype=torch.float64)  # the reference: initial weights
     with torch.no_grad():
         ref_logp, _ = ref.batch_logprobs(model, b.prompt_ids, b.response_ids, cfg.max_response_length,
                                          cfg.temperature)

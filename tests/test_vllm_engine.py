@@ -15,6 +15,7 @@ import torch
 
 import fake_vllm
 import config
+import hf
 import model as M
 import parallel
 import rollout as R
@@ -39,10 +40,10 @@ def test_iter_full_weights_yields_every_hf_tensor_once_in_bounded_deterministic_
     cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
     m = M.Transformer(cfg).init_weights(seed=0)
-    M.save_pretrained(m, str(tmp_path))
+    hf.save_pretrained(m, str(tmp_path))
     from safetensors import safe_open
     hf_keys = set()
-    for f in M.safetensors_files(str(tmp_path)):
+    for f in hf.safetensors_files(str(tmp_path)):
         with safe_open(f, "pt") as sf:
             hf_keys |= set(sf.keys())
     largest = max(p.numel() * 2 for p in m.parameters())
@@ -92,7 +93,7 @@ def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
     with pytest.raises(R.StaleWeightsError):  # no weights pushed yet
         eng.generate(prompts, params, version=0)
 
-    trainer = M.from_pretrained(str(path), dtype=torch.float32)
+    trainer = hf.from_pretrained(str(path), dtype=torch.float32)
     eng.wake_up(["weights"])
     nbytes = eng.load_weights(parallel.iter_full_weights(trainer, 4096, dtype=torch.float32), version=0)
     eng.wake_up(["kv_cache"])

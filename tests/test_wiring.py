@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import hf
 import model as M
 import parallel
 import reference as ref
@@ -258,8 +259,8 @@ def test_the_loop_hands_the_update_final_rewards_advantages_and_mask(case, tmp_p
     T.train(cfg)
     assert len(updates) == steps
 
-    reference_model = M.from_pretrained(DEMO_MODEL, dtype=torch.float64)  # the initial weights
-    policy = M.from_pretrained(DEMO_MODEL, dtype=torch.float64)
+    reference_model = hf.from_pretrained(DEMO_MODEL, dtype=torch.float64)  # the initial weights
+    policy = hf.from_pretrained(DEMO_MODEL, dtype=torch.float64)
     width, t = cfg.max_response_length, cfg.rollout_rs_threshold
     for u in updates:
         b = u.batch

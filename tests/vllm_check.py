@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import data  # noqa: E402
+import hf  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import rollout as R  # noqa: E402
@@ -49,10 +50,10 @@ def write_random_moe(path: str, device, seed: int = 0, **overrides) -> M.ModelCo
     """A random bf16 Qwen3-MoE model directory: qwen3-30b-a3b's config with overrides (e.g. num_hidden_layers=4),
     drawn on `device` by model.py, written by save_pretrained in HF's per-expert names, with the demo's tokenizer
     files (a few hundred ids, inside the vocabulary)."""
-    cfg = M.ModelConfig.from_hf({**M.KNOWN_CONFIGS["qwen3-30b-a3b"], **overrides})
+    cfg = M.ModelConfig.from_hf({**hf.KNOWN_CONFIGS["qwen3-30b-a3b"], **overrides})
     with torch.device(device):
         model = M.Transformer(cfg).init_weights(seed=seed).to(torch.bfloat16)
-    M.save_pretrained(model, path)
+    hf.save_pretrained(model, path)
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(os.path.join(ROOT, "demo", "model", f), path)
     return cfg
@@ -77,7 +78,7 @@ def main(argv=None) -> bool:
         if dims.is_main:
             write_random_moe(a.model_dir, dims.device, num_hidden_layers=a.random_moe)
         parallel.barrier(dims)
-    limit = M.load_config(a.model_dir).max_position_embeddings
+    limit = hf.load_config(a.model_dir).max_position_embeddings
     if a.max_tokens >= limit:
         ap.error(f"--max_tokens {a.max_tokens} leaves no room for a prompt in max_position_embeddings={limit}")
     max_prompt_length = min(a.max_prompt_length, limit - a.max_tokens)
@@ -89,7 +90,7 @@ def main(argv=None) -> bool:
                           enforce_eager=bool(a.enforce_eager), seed=0)
     fig = {"engine_start_s": time.perf_counter() - t0, "world_size": dims.world_size, "gen_tp": a.gen_tp,
            "max_model_len": max_model_len}
-    model = M.from_pretrained(a.model_dir, dtype=torch.float32 if dims.device.type == "cpu" else torch.bfloat16,
+    model = hf.from_pretrained(a.model_dir, dtype=torch.float32 if dims.device.type == "cpu" else torch.bfloat16,
                               device=dims.device)
     tok = data.Tokenizer.from_pretrained(a.model_dir)
     prompts = [p["prompt_ids"] for p in data.load_prompts(a.data, tok, max_prompt_length=max_prompt_length,
@@ -159,7 +160,7 @@ def main(argv=None) -> bool:
 
     # 2. greedy vs the built-in engine on a bf16 copy
     before = [c[0].token_ids for c in engine.generate(mine, greedy, version=0)]
-    builtin = R.TorchEngine(M.from_pretrained(a.model_dir, dtype=torch.bfloat16, device=dims.device))
+    builtin = R.TorchEngine(hf.from_pretrained(a.model_dir, dtype=torch.bfloat16, device=dims.device))
     ref = [c[0].token_ids for c in builtin.generate(mine, greedy)]
     del builtin
     same8 = sum(x[:8] == y[:8] for x, y in zip(before, ref))
