@@ -137,7 +137,7 @@ KNOB_RANGES = {  # knob -> (test, what the message says is allowed)
         "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "max_num_seqs", "total_epochs",
         "logprob_chunk", "val_n", "reward_timeout", "weight_sync_bucket_mb", "max_consecutive_skips",
         "temperature", "gen_tp", "tp_size", "sp_size", "ep_size", "nnodes", "n_gpus_per_node",
-        "max_staleness")},
+        "max_staleness", "watchdog_log_s", "watchdog_timeout_s")},
     **{k: NON_NEGATIVE for k in (
         "lr", "weight_decay", "lr_warmup_steps", "seed", "total_training_steps", "test_freq", "keep_last",
         "max_num_gen_batches", "reward_num_workers", "kl_loss_coef", "kl_coef", "overlong_penalty_factor",
@@ -163,7 +163,8 @@ KNOB_RANGES = {  # knob -> (test, what the message says is allowed)
 CHOICES = {"loss_agg_mode": AGG_MODES, "kl_loss_type": KL_TYPES, "kl_penalty": KL_TYPES,
            "filter_groups_metric": FILTER_METRICS, "truncation": data.TRUNCATION_MODES,
            "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch", "vllm"),
-           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32")}
+           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32"),
+           "compile": (True, False, "auto")}
 LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -253,7 +254,7 @@ def check_batch_and_mesh(cfg, world_size: int):
         raise ConfigError("router_replay=True replays the routing vLLM records "
                           "(enable_return_routed_experts): set rollout_engine='vllm'")
     device = parallel.device_type() if cfg.device == "auto" else cfg.device
-    if cfg.compile and trainer_ranks == 1 and device == "cpu":
+    if cfg.compile is True and trainer_ranks == 1 and device == "cpu":
         raise ConfigError("compile=True compiles the sharded policy (a GPU, or torchrun ranks); one CPU "
                           "process trains a plain module that the built-in engine decodes with: "
                           "set compile=False")

@@ -141,8 +141,12 @@ def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, tr
                 break
             seen += 1
             item = parse_row(row, f"{f} row {r}", prompt_key, float32_ground_truth=float32_gt)
-            ids = list(tokenizer.apply_chat_template(
-                item["messages"], add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})))
+            try:
+                ids = list(tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True,
+                                                         tokenize=True, **(chat_template_kwargs or {})))
+            except TemplateError as e:  # e.g. raise_exception on a role the template does not allow
+                where = f"{f} row {r}"
+                raise DataError(_template_rejects_row(e, where, item["messages"], tokenizer)) from None
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     continue
@@ -160,6 +164,23 @@ def load_prompts(files, tokenizer, *, prompt_key="prompt", max_prompt_length, tr
             raise DataError(f"filter_overlong_prompts dropped all {seen} prompts in {files}; "
                             f"raise max_prompt_length or use truncation=left/right/middle instead")
     return items
+
+
+def _template_rejects_row(e, where, messages, tokenizer):
+    """The message for a chat template that raised (e.g. raise_exception on a role it does not allow) while
+    templating the row `where`: the row, its roles, the template's own words and the fix."""
+    roles = [m["role"] for m in messages]
+    template_file = getattr(tokenizer, "chat_template_file", "the chat template")
+    # jinja rewrites tracebacks to point into '<template>'; the innermost such frame is the failing line
+    lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == "<template>"]
+    at_line = f" at template line {lines[-1]}" if lines else ""
+    if "system" in roles:
+        edit = "fold the system message into the first user message"
+    else:
+        edit = "change or drop the messages whose roles it rejects"
+    return (f"{where} (0-based): the chat template ({template_file}) rejects this row's messages, roles "
+            f"{roles}: {type(e).__name__}{at_line}: {e}; edit the data (e.g. {edit}), or use a model whose "
+            "chat template accepts those roles (or pass chat_template_kwargs if the template reads them)")
 
 
 def write_parquet(rows, path):

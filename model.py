@@ -36,6 +36,8 @@ MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3M
 # -----------------------------------------------------------------------------
 # config
 
+_PARAM_COUNTS = {}  # repr(ModelConfig) -> its parameter count (the memory planner asks many times)
+
 @dataclass
 class ModelConfig:
     architecture: str = "Qwen2ForCausalLM"
@@ -178,8 +180,11 @@ class ModelConfig:
     def num_params(self, experts_per_token: int | None = None) -> int:
         """All parameters (counted on the meta device); with experts_per_token = k, those one token uses (k
         experts of each MoE layer)."""
-        with torch.device("meta"):
-            n = sum(p.numel() for p in Transformer(self).parameters())
+        key = repr(self)  # every field but hf_config; building a large model, even on meta, takes a while
+        if key not in _PARAM_COUNTS:
+            with torch.device("meta"):
+                _PARAM_COUNTS[key] = sum(p.numel() for p in Transformer(self).parameters())
+        n = _PARAM_COUNTS[key]
         unused = 0 if experts_per_token is None else self.num_experts - experts_per_token
         moe_layers = sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
         return n - unused * moe_layers * 3 * self.hidden_size * self.moe_intermediate_size

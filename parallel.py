@@ -3,12 +3,14 @@ Devices and multi-device training: the device type (cuda, npu or cpu) and its pr
 autocast, RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP, Ulysses SP, EP, per-block
 compile and FSDP2 (bf16 compute over fp32 master weights); full weights in buckets for the rollout engine.
 """
+import datetime
 import importlib
 import math
 import os
 import pickle
 import random
 import socket
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,11 +197,12 @@ class ParallelDims:
 
 
 def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1, rollout: int = 0,
-                     mesh_of_one: bool | None = None) -> ParallelDims:
+                     mesh_of_one: bool | None = None, timeout_s: float | None = None) -> ParallelDims:
     """This rank's ParallelDims from torchrun's environment (plain python: one rank), checked before any
     process group or device is set up. rollout > 0: the last rollout ranks only generate; the mesh spans the
     others. mesh_of_one: whether one trainer rank gets a mesh (FSDP) too; None = on an accelerator, not on a
-    CPU."""
+    CPU. timeout_s: how long a collective may wait for the other ranks (None: torch's default).
+    """
     total = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -213,7 +216,7 @@ def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1
         mesh_of_one = kind != "cpu"
     sharded = world > 1 or mesh_of_one
     if total > 1 or sharded:
-        init_process_group(kind)
+        init_process_group(kind, timeout_s)
     if rollout:
         dims.group = dist.new_group(list(range(world)))
         dims.rollout_group = dist.new_group([0, *range(world, total)])
@@ -227,7 +230,7 @@ def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1
     return dims
 
 
-def init_process_group(kind: str):
+def init_process_group(kind: str, timeout_s: float | None = None):
     """torchrun's process group; a process started without torchrun gets a group of one on 127.0.0.1 and the
     variables torchrun would have set (vLLM's external launcher reads RANK and LOCAL_RANK)."""
     if dist.is_initialized():
@@ -238,7 +241,49 @@ def init_process_group(kind: str):
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    dist.init_process_group(backend=process_group_backend(kind))
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=process_group_backend(kind), timeout=timeout)
+
+
+FAILED_RANK_KEY = "nanodapo/failed_rank"
+
+
+def _launcher_store():
+    """The key-value store of the process group (torchrun's, which outlives any one rank), or None."""
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()  # private, but the only handle on the group's store
+
+
+def claim_failure(rank: int) -> int | None:
+    """Record that `rank` stops on an error -> the rank that recorded one first (this one, unless another
+    rank failed before); None without a process group."""
+    store = _launcher_store()
+    if store is None:
+        return None
+    try:
+        return int(store.compare_set(FAILED_RANK_KEY, "", str(rank)))
+    except (RuntimeError, ValueError):  # the store is gone (the launcher is exiting)
+        return None
+
+
+def failed_rank() -> int | None:
+    """The rank that claimed a failure first, if any did."""
+    store = _launcher_store()
+    try:
+        if store is not None and store.check([FAILED_RANK_KEY]):
+            return int(store.get(FAILED_RANK_KEY))
+    except (RuntimeError, ValueError):
+        pass
+    return None
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether e is a collective or point-to-point call failing because another rank went away."""
+    if isinstance(e, dist.DistError):
+        return True
+    closed = ("Connection closed by peer", "Connection reset by peer", "remote worker")
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in closed)
 
 
 def shutdown():
@@ -287,8 +332,45 @@ def send_object(obj, dst: int) -> list:
     return [dist.isend(torch.tensor([data.numel()]), dst), dist.isend(data, dst)]
 
 
-def recv_object(src: int):
-    """The next object that rank src sent with send_object."""
+class _Receiver(threading.Thread):
+    """recv_object's blocking receive on a thread of its own, so that the caller can poll while it waits (a
+    gloo receive is only complete once waited on)."""
+
+    def __init__(self, src: int):
+        super().__init__(daemon=True)
+        self.src, self.result, self.error = src, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.result = _recv_object(self.src)
+        except BaseException as e:  # handed to the caller's thread
+            self.error = e
+
+
+_receivers = {}  # src -> a _Receiver whose caller stopped waiting: the next recv_object(src) takes its object
+
+
+def recv_object(src: int, poll=None, poll_s: float = 0.1):
+    """The next object that rank src sent with send_object. poll(), if given, is called every poll_s seconds
+    while it has not arrived; it may raise to stop waiting (the receive goes on, and the next call for src
+    takes its object: none is lost or read twice)."""
+    if poll is None and src not in _receivers:
+        return _recv_object(src)
+    if src not in _receivers:
+        _receivers[src] = _Receiver(src)
+    receiver = _receivers[src]
+    while receiver.is_alive():
+        if poll is not None:
+            poll()
+        receiver.join(poll_s)
+    del _receivers[src]
+    if receiver.error is not None:
+        raise receiver.error
+    return receiver.result
+
+
+def _recv_object(src: int):
     size = torch.zeros(1, dtype=torch.int64)
     dist.recv(size, src)
     data = torch.empty(int(size), dtype=torch.uint8)
@@ -427,6 +509,11 @@ def apply_compile(model, dynamic: bool | None = None):
     model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a recompile adds one)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def _shard_dim_1(param) -> Shard:
     """FSDP's placement for an expert stack's parameter: along dim 1, as dim 0 (experts) is EP's."""
     return Shard(1)
@@ -462,8 +549,8 @@ def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: 
     if dims.ep > 1:
         check_mesh(dims.world_size, dims.tp, dims.sp, ep_size=dims.ep, num_experts=model.config.num_experts)
         apply_ep(model, dims.expert_mesh["ep"])
-    if compile:
-        apply_compile(model)
+    if compile:  # token counts differ from micro-batch to micro-batch: symbolic from the first call
+        apply_compile(model, dynamic=True)
     if dims.sharded:
         apply_fsdp(model, dims.fsdp_mesh, param_dtype=param_dtype, offload=offload,
                    expert_mesh=dims.expert_mesh)

@@ -25,7 +25,12 @@ ANSWER_PATTERN = r"(?i)Answer\s*:\s*([^\n]+)"  # DAPO's prompt asks for a last l
 
 class RewardError(ValueError):
     """Scoring cannot go on (a reward_fn that does not load, a data_source without a verifier, a reward
-    function that failed on every response of a call); the message says which and how to fix it."""
+    function that failed on every response of a call or ran past its timeout on most of them); the message
+    says which and how to fix it."""
+
+
+class ScoringStopped(Exception):
+    """A stop was requested (a signal) while scoring; the call's results are discarded, never trained on."""
 
 
 # -----------------------------------------------------------------------------
@@ -249,6 +254,8 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
 
 _STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter plus the custom file's own imports
 _PARENT_POLL_S = 0.5  # how often a worker checks that the trainer is still its parent
+_STOP_POLL_S = 0.2  # how often score() asks should_stop while it waits on the workers
+_SOLUTION_SHOWN = 60  # characters of a solution_str quoted in a warning or an error
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SIGNAL_NAMES = {s.value: s.name for s in signal.Signals}
 
@@ -277,7 +284,9 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _worker_main(fd: int, spec: str | None, parent_pid: int) -> None:
     """A worker's loop: load the reward function, then score chunks, reporting each item as it finishes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    # Ctrl-C and a launcher's SIGTERM to the process group are the trainer's to handle; it closes us
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     # die with the trainer even when it is SIGKILLed: Linux's parent-death signal, plus a watchdog thread for
     # systems without prctl and for a parent that died before prctl ran
     if sys.platform.startswith("linux"):
@@ -321,18 +330,44 @@ class _Worker:
         return self.proc.returncode
 
 
+def _describe_input(item) -> str:
+    """Which response an item is, for a message: its data_source and the start of its solution_str."""
+    data_source, solution_str = item[0], str(item[1])
+    return f"data_source={data_source!r}, solution_str={solution_str[:_SOLUTION_SHOWN]!r}"
+
+
 class _Call:
-    """One score() call: results in input order, the failure counts, and why each error happened."""
+    """One score() call: results in input order, the failure counts, why each error happened and which
+    responses timed out."""
     def __init__(self, items: list):
         self.items, self.results = items, [None] * len(items)
         self.stats = {"num_timeouts": 0, "num_errors": 0}
+        self.num_scored = 0  # responses the reward function scored without failing
         self.errors = []  # one line per response that failed with an error
+        self.timed_out = []  # indices of the responses that ran past the timeout, in the order they did
+
+    def record(self, i: int, result: dict | None, why: str | None) -> None:
+        """The outcome of _score_one for response i."""
+        if why is None:
+            self.results[i] = result
+            self.num_scored += 1
+        else:
+            self.fail(i, "num_errors", why)
 
     def fail(self, i: int, counter: str, why: str | None = None) -> None:
         self.results[i] = {"score": 0.0, "acc": False, "pred": None}
         self.stats[counter] += 1
+        if counter == "num_timeouts":
+            self.timed_out.append(i)
         if why is not None:
             self.errors.append(f"{why} (data_source={self.items[i][0]!r})")
+
+
+def _check_stop(should_stop, call: _Call) -> None:
+    """Raise ScoringStopped if should_stop (None: never) asks for it."""
+    if should_stop is not None and should_stop():
+        raise ScoringStopped(f"a stop was requested while scoring {len(call.items)} responses; this call's "
+                             "results are discarded")
 
 
 class RewardScorer:
@@ -351,38 +386,55 @@ class RewardScorer:
         self.timeout_s, self.inline = timeout_s, num_workers == 0
         self.workers = [_Worker(reward_fn) for _ in range(num_workers)]  # started once, reused every batch
 
-    def score(self, items) -> tuple[list[dict], dict]:
+    def score(self, items, should_stop=None) -> tuple[list[dict], dict]:
         """Results in input order, and {"num_timeouts", "num_errors"}: responses that scored 0 because they
         ran past timeout_s, or because the reward function raised, returned something unusable or killed its
-        worker. One warning line per call with errors; RewardError when every response failed with an error
-        (the function is broken, not the data), never for timeouts (slowness depends on load; its knob is
-        timeout_s)."""
+        worker. One warning line per call with errors and one per call with timeouts. RewardError when every
+        response failed with an error (the function is broken, not the data) or more than half ran past
+        timeout_s; a function that hangs fails fast: max(4, 2 * num_workers) timeouts before the first
+        response scored raise at once, without waiting n * timeout_s for the rest.
+        should_stop: a callable polled while waiting on the workers (at least every 0.2 s) and between items
+        inline, a varying number of times, so a local check and not a collective; once it returns True the
+        call is abandoned with ScoringStopped."""
         if self.workers is None:
             raise RuntimeError("RewardScorer.score() after close()")
         call = _Call(list(items))
         if self.inline:
             for i, item in enumerate(call.items):
-                call.results[i], why = _score_one(self.fn, self.fn_name, item)
-                if why is not None:
-                    call.fail(i, "num_errors", why)
+                _check_stop(should_stop, call)
+                call.record(i, *_score_one(self.fn, self.fn_name, item))
         else:
-            self._score_in_workers(call)
-        n, num_errors = len(call.items), call.stats["num_errors"]
+            self._score_in_workers(call, should_stop)
+        n, num_errors, num_timeouts = len(call.items), call.stats["num_errors"], call.stats["num_timeouts"]
         if num_errors == n > 0:
             raise RewardError(f"scoring failed for all {n} responses of this call; the first: "
                               f"{call.errors[0]}. Fix the function; RewardScorer(num_workers=0) runs it "
                               "inline for a debugger")
+        if num_timeouts > n / 2:
+            raise RewardError(self._timeouts_message(call, f"{num_timeouts} of {n} responses of this call"))
         if num_errors:
             print(f"warning: {num_errors} of {n} responses scored 0 because scoring failed; the first: "
                   f"{call.errors[0]}", file=sys.stderr, flush=True)
+        if num_timeouts:
+            print(f"warning: {num_timeouts} of {n} responses scored 0 because reward function {self.fn_name} "
+                  f"ran past reward_timeout={self.timeout_s:g} s on them; the first: "
+                  f"{_describe_input(call.items[call.timed_out[0]])}", file=sys.stderr, flush=True)
         return call.results, call.stats
 
-    def _score_in_workers(self, call: _Call) -> None:
+    def _timeouts_message(self, call: _Call, how_many: str) -> str:
+        """Why a call with too many timeouts stops, and what to do about it."""
+        return (f"reward function {self.fn_name} ran past reward_timeout={self.timeout_s:g} s on {how_many}; "
+                f"the first: {_describe_input(call.items[call.timed_out[0]])}. Raise reward_timeout if the "
+                "function is just slow, make it faster, or fix a hang; reward_num_workers=0 "
+                "(RewardScorer(num_workers=0)) scores inline for a debugger")
+
+    def _score_in_workers(self, call: _Call, should_stop) -> None:
         """Score call.items in the workers: chunks of indices go to idle workers, each reports item by item;
         a worker past its deadline is replaced (its current response scores 0 as a timeout)."""
         n = len(call.items)
         size = max(1, math.ceil(n / (4 * len(self.workers))))  # a few chunks per worker balance load
         todo = deque(deque(range(s, min(s + size, n))) for s in range(0, n, size))
+        max_timeouts_before_a_score = max(4, 2 * len(self.workers))  # then the function hangs, it is not slow
         try:
             while todo or any(w.chunk for w in self.workers):
                 for w in self.workers:  # one IPC message per chunk, not per item
@@ -396,6 +448,8 @@ class RewardScorer:
                 # wait for a message from a busy (or starting) worker, or for the earliest deadline
                 busy = [w for w in self.workers if w.chunk or not w.ready]
                 timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+                if should_stop is not None:
+                    timeout = min(timeout, _STOP_POLL_S)
                 readable = multiprocessing.connection.wait([w.conn for w in busy], timeout)
                 for w in busy:
                     if w.conn in readable:
@@ -405,6 +459,12 @@ class RewardScorer:
                             raise RewardError(f"a reward worker for {self.fn_name} did not start within "
                                               f"{_STARTUP_TIMEOUT_S:.0f} s; num_workers=0 runs it inline")
                         self._replace(w, call, todo, "num_timeouts")
+                        num_timeouts = call.stats["num_timeouts"]
+                        if call.num_scored == 0 and num_timeouts >= max_timeouts_before_a_score:
+                            raise RewardError(self._timeouts_message(
+                                call, f"{num_timeouts} of the {n} responses of this call before scoring any "
+                                "(stopped without waiting for the rest)"))
+                _check_stop(should_stop, call)
         except BaseException:  # busy workers would report stale results into the next call
             for w in [w for w in self.workers if w.chunk]:
                 self._replace(w, call, deque(), None)
@@ -425,10 +485,7 @@ class RewardScorer:
         if msg == "ready":
             w.ready = True
             return
-        i = w.chunk.popleft()
-        call.results[i], why = msg
-        if why is not None:
-            call.fail(i, "num_errors", why)
+        call.record(w.chunk.popleft(), *msg)
         w.deadline = time.monotonic() + self.timeout_s  # the next response's clock starts now
 
     def _replace(self, w: _Worker, call: _Call, todo: deque, counter: str | None,

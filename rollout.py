@@ -136,16 +136,17 @@ class TorchEngine:
         pass  # the cache is allocated lazily by generate
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
-                 ) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None,
+                 should_stop=None) -> list[list[Completion]]:
         """-> per prompt, params.n completions, in waves of whole prompts (at most max_num_seqs rows each).
-        version: the trainer's weight version the caller expects."""
+        version: the trainer's weight version the caller expects. should_stop(), if given, is asked before
+        every decode step: True abandons the generation (GenerationStopped)."""
         check_version(self.weights_version, version)
         g = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         per_wave = max(1, self.max_num_seqs // params.n)
         out = []
         for s in range(0, len(prompts), per_wave):
-            out += self._generate_wave(prompts[s:s + per_wave], params, g)
+            out += self._generate_wave(prompts[s:s + per_wave], params, g, should_stop)
         return out
 
     # internals -----------------------------------------------------------------
@@ -230,7 +231,7 @@ class TorchEngine:
         self._pool = graph.pool()
         return graph
 
-    def _generate_wave(self, prompts, params, g):
+    def _generate_wave(self, prompts, params, g, should_stop=None):
         """One wave of whole prompts -> per prompt, params.n completions."""
         n, T = params.n, params.max_tokens
         rows, longest = len(prompts) * n, max(len(p) for p in prompts)
@@ -251,6 +252,8 @@ class TorchEngine:
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
         for step in range(T):
+            if should_stop is not None and should_stop():
+                raise GenerationStopped(f"stopped at decode step {step} of {T}")
             out_tok[alive, step], out_logp[alive, step] = tok, logp
             done = torch.isin(tok, stop)
             stopped[alive] = done
@@ -309,6 +312,10 @@ def _decode_step(model, tokens, cache_pos, kv, cache_len: int):
 
 class StaleWeightsError(RuntimeError):
     """A generate call with weights of another version than the caller expects."""
+
+
+class GenerationStopped(Exception):
+    """A stop was requested (a signal) during generate(): its completions are discarded."""
 
 
 def check_version(held, expected):
@@ -448,9 +455,13 @@ class VLLMEngine:
         prompt_requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)]
         return prompt_requests, sampling
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
-                 ) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None,
+                 should_stop=None) -> list[list[Completion]]:
+        """should_stop() is asked once, before generating: a vLLM generate call runs to its end (its TP
+        ranks step together, so they could only stop together)."""
         check_version(self.weights_version, version)
+        if should_stop is not None and should_stop():
+            raise GenerationStopped("stopped before generating")
         self.wake_up(["kv_cache"])
         return vllm_completions(self.llm.generate(*self.requests(prompts, params), use_tqdm=False), params)
 

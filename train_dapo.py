@@ -45,7 +45,8 @@ from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
 from hf import from_pretrained
 from model import load_balancing_loss, pack_sequences
-from rollout import SamplingParams, TorchEngine, VLLMEngine, engine_results, engine_share, resolve_engine
+from rollout import (GenerationStopped, SamplingParams, TorchEngine, VLLMEngine, engine_results, engine_share,
+                     resolve_engine)
 
 # -----------------------------------------------------------------------------
 # config: every knob, verl's names (prompts are counted globally, over all ranks)
@@ -114,7 +115,8 @@ class Config:
     betas: tuple[float, float] = (0.9, 0.999)
     # a non-finite grad norm skips the update
     grad_clip: float = 1.0  # max global grad norm (> 0; float("inf") = no clipping)
-    gradient_checkpointing: bool | int | str = True  # all blocks, none, first N, or "auto" (fewest that fit)
+    # activation checkpointing: all blocks, none, the first N, or "auto" (the fewest that fit the memory plan)
+    gradient_checkpointing: bool | int | str = "auto"
     logprob_chunk: int = 1024  # tokens per chunk of the fp32 log-prob/entropy computation
     # sampling
     temperature: float = 1.0
@@ -144,12 +146,17 @@ class Config:
     # asynchronous rollout (README "Asynchronous mode")
     rollout_gpus: int = 0  # 0 = colocated; N: the last N torchrun ranks only generate, the others only train
     max_staleness: int = 1  # async: step s trains on trajectories from policy versions >= s - max_staleness
+    # a rank waiting on another (async: the trainer for generators, a generator for requests) says so every
+    # watchdog_log_s and stops the run after watchdog_timeout_s (a stuck or dead rank)
+    watchdog_log_s: float = 60.0
+    watchdog_timeout_s: float = 1800.0
     # parallelism (torchrun sets the world size; dp = world_size / (tp_size * sp_size) replicas see different
     # data; FSDP2 shards parameters, gradients and optimizer states over dp x sp)
     tp_size: int = 1  # tensor parallel degree for training
     sp_size: int = 1  # Ulysses sequence parallel degree: ranks that split each micro-batch's tokens
     ep_size: int = 1  # expert parallelism (MoE): ranks of the dp x sp ranks that split each layer's experts
-    compile: bool = False  # torch.compile decoder blocks, the built-in engine's too (GPU or multi-rank runs)
+    # torch.compile the decoder blocks (the built-in engine's too): "auto" = on CUDA GPUs, eager elsewhere
+    compile: bool | str = "auto"
     param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
     optimizer_offload: bool = False  # same policy as param_offload: FSDP2 offloads all three together
     # schedule
@@ -369,11 +376,13 @@ def sync_weights(engine, model, version: int, cfg: Config, dtype: torch.dtype):
 
 
 def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: SamplingParams, cfg: Config, *,
-                       group_offset: int, version: int, timing: dict) -> tuple[Trajectories, dict]:
-    """Generate params.n responses per prompt on this engine and score them
-    -> (Trajectories, reward counts)."""
+                       group_offset: int, version: int, timing: dict,
+                       should_stop=None) -> tuple[Trajectories, dict]:
+    """Generate params.n responses per prompt on this engine and score them -> (Trajectories, reward counts).
+    should_stop() True (a stop signal) abandons both: GenerationStopped or reward.ScoringStopped."""
     with timed("gen", timing):
-        outputs = engine.generate([p["prompt_ids"] for p in prompts], params, version=version)
+        outputs = engine.generate([p["prompt_ids"] for p in prompts], params, version=version,
+                                  should_stop=should_stop)
     comps = [(p, c) for p, cs in zip(prompts, outputs) for c in cs]
     with timed("reward", timing):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in comps]
@@ -381,7 +390,7 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
         # a trailing EOS is not the answer
         texts = [t[:-len(eos)] if eos and t.endswith(eos) else t for t in texts]
         results, counts = scorer.score([(p["data_source"], t, p["ground_truth"], p["extra_info"])
-                                        for (p, _), t in zip(comps, texts)])
+                                        for (p, _), t in zip(comps, texts)], should_stop=should_stop)
     rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
     mask = torch.zeros_like(rollout_logp)
     for i, (_, c) in enumerate(comps):
@@ -409,12 +418,13 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
 def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams, engine: int,
                    engines: int, *, version: int, group_offset: int,
                    timing: dict) -> tuple[Trajectories, dict]:
-    """Engine `engine` of `engines` generates and scores its slice of the prompts,
-    seeded apart from the others."""
+    """Engine `engine` of `engines` generates and scores its slice of the prompts, seeded apart from the
+    others; a stop signal abandons it (GenerationStopped, reward.ScoringStopped)."""
     _, lo, hi = engine_share(len(prompts), engines, 1, engine)
     params = SamplingParams(**{**params.__dict__, "seed": params.seed + 100003 * engine})
     return generate_and_score(run.engine, run.tokenizer, run.scorer, prompts[lo:hi], params, cfg,
-                              group_offset=group_offset + lo, version=version, timing=timing)
+                              group_offset=group_offset + lo, version=version, timing=timing,
+                              should_stop=run.stop.signalled)
 
 
 def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
@@ -438,12 +448,17 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
         sync_weights(engine, run.model, version, cfg, run.compute_dtype)  # after a level-2 sleep: a full push
     with timed("wake_sleep", timing):
         engine.wake_up(["kv_cache"])
-    traj, counts = generate_share(run, cfg, prompts, params, dims.rank // run.gen_tp,
-                                  dims.world_size // run.gen_tp, version=version, group_offset=group_offset,
-                                  timing=timing)
+    try:
+        traj, counts = generate_share(run, cfg, prompts, params, dims.rank // run.gen_tp,
+                                      dims.world_size // run.gen_tp, version=version,
+                                      group_offset=group_offset, timing=timing)
+    except (GenerationStopped, reward.ScoringStopped):
+        traj = counts = None  # this rank's share is dropped; the agreement below stops every rank
     if cfg.free_cache_engine:  # else it stays awake: no wake or sleep next time, the pushes only
         with timed("wake_sleep", timing):
             engine.sleep()
+    if run.stop.agreed(dims):  # every rank at the same point, whether its share finished or not
+        raise StopRequested
     mine = (traj, counts) if dims.rank % run.gen_tp == 0 else None  # the TP ranks of an engine hold copies
     parts = engine_results(parallel.all_gather_objects(mine, dims), run.gen_tp)
     traj = concat_trajectories([t for t, _ in parts if len(t)], cfg.max_response_length)
@@ -496,10 +511,66 @@ class Request:
     weights: bool = False  # that version's weights follow (parallel.broadcast_buckets)
 
 
+STOPPED = "stopped"  # a generator's reply to a request it dropped for a stop signal
+
+
+class Watchdog:
+    """For a rank that waits on another. Polled (parallel.recv_object's poll): a line every watchdog_log_s
+    naming whom it waits for and since when, RunError after watchdog_timeout_s, and with `stop`,
+    StopRequested once this rank got a stop signal. guarding(): the same lines and limit for a blocking call
+    that cannot be polled (a collective), from a thread that ends the process at the limit."""
+
+    def __init__(self, waited_for: str, cfg: Config, log, stop: "StopFlag | None" = None):
+        self.waited_for, self.cfg, self.log, self.stop = waited_for, cfg, log, stop
+        self.start, self.since = time.monotonic(), time.strftime("%H:%M:%S")
+        self.next_line = cfg.watchdog_log_s
+
+    def __call__(self):
+        if self.stop is not None and self.stop.signalled():
+            raise StopRequested
+        problem = self.check()
+        if problem is not None:
+            raise RunError(problem)
+
+    def check(self) -> str | None:
+        """Say the line when one is due -> what is wrong once past the limit, else None."""
+        waited = time.monotonic() - self.start
+        if waited > self.cfg.watchdog_timeout_s:
+            return (f"waited {waited:.0f} s for {self.waited_for} (since {self.since}), more than "
+                    f"watchdog_timeout_s={self.cfg.watchdog_timeout_s:g}: that rank is stuck or gone "
+                    "(a stopped process, a hung reward function, a lost node; its own output may say which). "
+                    "Raise watchdog_timeout_s if it is only slow")
+        if waited >= self.next_line:
+            self.log(f"waiting for {self.waited_for} since {self.since} ({waited:.0f} s; the run stops after "
+                     f"watchdog_timeout_s={self.cfg.watchdog_timeout_s:g})")
+            self.next_line += self.cfg.watchdog_log_s
+        return None
+
+    @contextlib.contextmanager
+    def guarding(self, on_timeout=lambda: None):
+        done = threading.Event()
+
+        def watch():
+            while not done.wait(min(1.0, self.cfg.watchdog_log_s)):
+                problem = self.check()
+                if problem is not None:  # the main thread is blocked in the call: end the process here
+                    report_failure(RunError(problem))
+                    on_timeout()
+                    os._exit(EXIT_RUN_FAILED)
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+
 class RolloutQueue:
     """The trainer ranks' side. pending: gen batches asked and not yet trained on, oldest first, each with the
-    sampler state from before its prompts were drawn: a checkpoint saves the oldest's, so a resumed run
-    asks again for them."""
+    sampler state from before its prompts were drawn (a checkpoint saves the oldest's, so a resumed run
+    asks again for them) and the replies received so far, one per generator."""
 
     def __init__(self, run: "Run", cfg: Config, version: int):
         self.run, self.cfg, self.pending, self.sends = run, cfg, [], []
@@ -520,7 +591,9 @@ class RolloutQueue:
             for g in self.generators:
                 self.sends += parallel.send_object(req, g)
         if req.weights:
-            with timed("weight_transfer", timing):
+            ranks = ", ".join(map(str, self.generators))
+            watchdog = Watchdog(f"generator rank(s) {ranks} to take the weights", self.cfg, self.run.log)
+            with timed("weight_transfer", timing), watchdog.guarding(on_timeout=self.run.scorer.kill):
                 buckets = parallel.iter_full_weights(self.run.model, self.cfg.weight_sync_bucket_mb * 2**20,
                                                      dtype=self.run.compute_dtype)
                 if dims.is_main:
@@ -531,7 +604,7 @@ class RolloutQueue:
                 for _ in sent:
                     pass
             self.held = version
-        self.pending.append({"request": req, "sampler_state": sampler_state, "result": None})
+        self.pending.append({"request": req, "sampler_state": sampler_state, "replies": {}})
         return self.pending[-1]
 
     def ask_gen_batch(self, version: int, timing: dict):
@@ -543,32 +616,46 @@ class RolloutQueue:
                  train_params(self.cfg, self.run.tokenizer, self.cfg.seed + 1000 * version + r),
                  version, timing, state)
 
+    def receive(self, entry: dict, stop: "StopFlag | None"):
+        """Rank 0: receive replies until every generator's reply to entry is in. A generator answers in the
+        order asked, so its next reply belongs to the oldest entry still without one from it. The watchdog
+        says who is waited for; with `stop`, a stop signal ends the wait (StopRequested)."""
+        for g in self.generators:
+            while g not in entry["replies"]:
+                oldest = next(e for e in self.pending if g not in e["replies"])
+                watchdog = Watchdog(f"generator rank {g}", self.cfg, self.run.log, stop)
+                oldest["replies"][g] = parallel.recv_object(g, poll=watchdog)
+
     def take(self, entry: dict, timing: dict) -> tuple[Trajectories, dict]:
-        """Wait for entry's gen batch (rank 0 keeps those that come back before it) and drop it from pending.
-        -> (trajectories, reward counts) on every trainer rank"""
+        """Wait for entry's gen batch and drop it from pending -> (trajectories, reward counts) on every
+        trainer rank. StopRequested on every trainer rank when rank 0 got a stop signal while waiting or a
+        generator dropped the gen batch for one."""
         with timed("gen_wait", timing):
-            while self.run.dims.is_main and entry["result"] is None:
-                next(e for e in self.pending if e["result"] is None)["result"] = [
-                    parallel.recv_object(g) for g in self.generators]
-            parts = parallel.all_gather_objects(entry["result"], self.run.dims)[0]  # rank 0's
+            replies = STOPPED
+            if self.run.dims.is_main:
+                with contextlib.suppress(StopRequested):
+                    self.receive(entry, stop=self.run.stop)
+                    replies = [entry["replies"][g] for g in self.generators]
+            replies = parallel.all_gather_objects(replies, self.run.dims)[0]  # rank 0's
+        if replies == STOPPED or any(r == STOPPED for r in replies):
+            raise StopRequested
         self.pending.remove(entry)
-        for k, v in parts[0][2].items():  # the first generator's gen and reward times
+        for k, v in replies[0][2].items():  # the first generator's gen and reward times
             timing[k] = timing.get(k, 0.0) + v
-        traj = concat_trajectories([t for t, _, _ in parts if len(t)], self.cfg.max_response_length)
-        return traj, {k: sum(c[k] for _, c, _ in parts) for k in parts[0][1]}
+        traj = concat_trajectories([t for t, _, _ in replies if len(t)], self.cfg.max_response_length)
+        return traj, {k: sum(c[k] for _, c, _ in replies) for k in replies[0][1]}
 
     def close(self):
-        """Stop the generators after the gen batches still asked (received and dropped);
-        wait for every send."""
+        """Stop the generators after the gen batches still asked (received and dropped), wait for every send,
+        forget what was pending."""
         if self.run.dims.is_main:
             for g in self.generators:
                 self.sends += parallel.send_object(None, g)
             for e in self.pending:
-                if e["result"] is None:
-                    e["result"] = [parallel.recv_object(g) for g in self.generators]
+                self.receive(e, stop=None)
             for w in self.sends:
                 w.wait()
-        self.generators, self.sends = (), []
+        self.generators, self.sends, self.pending = (), [], []
 
 
 def gen_batches_ahead(cfg: Config, step: int, total_steps: int) -> int:
@@ -584,24 +671,38 @@ def gen_batches_ahead(cfg: Config, step: int, total_steps: int) -> int:
 
 def serve_rollouts(run: "Run", cfg: Config):
     """A generator rank: until told to stop, take the next request from trainer rank 0, load the weights that
-    come with it (between gen batches, never during one), generate and score this rank's share and
-    send it back."""
-    # a signal reaches all ranks: the trainers decide the stop
-    dims, stop, sends = run.dims, StopFlag(run.log), []
-    while (req := parallel.recv_object(0)) is not None:
-        if req.weights:
-            run.engine.load_weights(parallel.broadcast_buckets(None, dims.rollout_group, dims.device),
-                                    req.version)
-        timing = {}
-        traj, counts = generate_share(
-            run, cfg, [(run.val_prompts if req.val else run.train_prompts)[i] for i in req.indices],
-            req.params, dims.rank - dims.world_size, cfg.rollout_gpus, version=req.version, group_offset=0,
-            timing=timing)
-        sends = [w for w in sends if not w.is_completed()] + parallel.send_object((traj, counts, timing), 0)
+    come with it (between gen batches, never during one), generate and score this rank's share and send it
+    back. After a stop signal it answers STOPPED without generating; trainer rank 0 decides the stop."""
+    dims, sends = run.dims, []
+    run.stop = StopFlag(lambda msg: None)
+
+    def log(msg: str):  # the first generator speaks for all of them
+        if dims.rank == dims.world_size:
+            say(f"generator rank {dims.rank}: {msg}")
+
+    waiting = functools.partial(Watchdog, "trainer rank 0 (its next request)", cfg, log)
+    while (req := parallel.recv_object(0, poll=waiting())) is not None:
+        if req.weights:  # taken even when stopping: the broadcast is collective
+            watchdog = Watchdog("trainer rank 0 to send the weights", cfg, log)
+            with watchdog.guarding(on_timeout=run.scorer.kill):
+                run.engine.load_weights(parallel.broadcast_buckets(None, dims.rollout_group, dims.device),
+                                        req.version)
+        reply = STOPPED
+        if not run.stop.signalled():
+            timing = {}
+            try:
+                traj, counts = generate_share(
+                    run, cfg, [(run.val_prompts if req.val else run.train_prompts)[i] for i in req.indices],
+                    req.params, dims.rank - dims.world_size, cfg.rollout_gpus, version=req.version,
+                    group_offset=0, timing=timing)
+                reply = (traj, counts, timing)
+            except (GenerationStopped, reward.ScoringStopped):
+                pass
+        sends = [w for w in sends if not w.is_completed()] + parallel.send_object(reply, 0)
     for w in sends:
         w.wait()
     run.scorer.close()
-    stop.restore()
+    run.stop.restore()
     parallel.shutdown()
 
 
@@ -668,10 +769,10 @@ def kept_mask(traj: Trajectories, cfg: Config) -> torch.Tensor:
 
 
 class StopRequested(Exception):
-    """A stop signal arrived while dynamic sampling was refilling: the step is abandoned, not trained."""
+    """Every rank agreed to stop (a signal) before the step's update: the step is abandoned, not trained."""
 
 
-def dynamic_sampling(gen_batches, cfg: Config, should_stop=lambda: False, progress=None):
+def dynamic_sampling(gen_batches, cfg: Config, progress=None):
     """DAPO dynamic sampling: take gen batches from the iterator `gen_batches` until train_batch_size groups
     whose filter metric varies are collected, then keep exactly train_batch_size whole groups.
     progress(r, kept, generated) is called after each gen batch (r of them so far, kept groups, the list of
@@ -696,8 +797,6 @@ def dynamic_sampling(gen_batches, cfg: Config, should_stop=lambda: False, progre
                 f"{cfg.filter_groups_metric} ({describe_outcomes(outcomes)}). Likely cause: "
                 f"{likely_cause(outcomes)}. Raise max_num_gen_batches (0 = unlimited) or gen_batch_size, "
                 f"change filter_groups_metric, or set filter_groups=False")
-        if should_stop():
-            raise StopRequested
     R = cfg.max_response_length
     batch = concat_trajectories(kept, R).select(list(range(cfg.train_batch_size * cfg.n)))  # whole groups
     return batch, concat_trajectories(generated, R), r
@@ -914,6 +1013,7 @@ class Run:
     total_steps: int = 0
     out_dir_lock: typing.IO | None = None  # held by rank 0 for the whole run
     rollouts: RolloutQueue | None = None  # async mode: gen batches asked of the generator ranks
+    stop: "StopFlag" = None  # SIGTERM / SIGINT: set by train() (trainer ranks) or serve_rollouts (generators)
 
 
 def say(msg: str):
@@ -931,62 +1031,68 @@ def train(cfg: Config):
     step = restore(cfg, run)
     run.rollouts = RolloutQueue(run, cfg, step) if cfg.rollout_gpus else None
     logger = Logger(cfg, resumed_step=step) if dims.is_main else None
-    stop = StopFlag(log, on_force_exit=run.scorer.kill)
+    run.stop = stop = StopFlag(log, on_force_exit=run.scorer.kill)
     bar = tqdm(total=run.total_steps, initial=step, desc="steps", dynamic_ncols=True,
                disable=not (dims.is_main and sys.stderr.isatty()))
-    log(f"training {run.total_steps} steps on {dims.world_size} x {dims.device.type}; "
-        f"{json.dumps(plan.batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
+    if step >= run.total_steps:
+        log(f"nothing to train: the checkpoint resumed is at step {step} and this run has {run.total_steps} "
+            "steps (total_training_steps, or total_epochs x steps per epoch); raise them to train further")
+    else:
+        log(f"training {run.total_steps} steps on {dims.world_size} x {dims.device.type}; "
+            f"{json.dumps(plan.batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
     version = step  # the policy's weight version: an engine holding another refuses to generate
+    stopping = False
     if run.val_prompts and cfg.val_before_train and step == 0:
-        metrics = validate(run, cfg, version, step)
-        if dims.is_main:
-            logger.log(step, metrics)
+        try:
+            metrics = validate(run, cfg, version, step)
+            if dims.is_main:
+                logger.log(step, metrics)
+        except StopRequested:
+            stopping = True
+            log("stopped by signal during the validation before training; nothing was trained")
     consecutive_skips = 0
-    while step < run.total_steps:
+    while step < run.total_steps and not stopping:
         t_step = time.perf_counter()
         timing = dict.fromkeys(("gen", "reward", "sync", "wake_sleep", "old_log_prob", "ref", "update_actor")
                                + (("gen_wait", "weight_transfer") if cfg.rollout_gpus else ()), 0.0)
-        counts = {}
+        counts, metrics = {}, {}
         at_step_start = sampler_state(run), parallel.rng_state(dims.device)
-
-        # 1-4. gen batches (sample, generate, score) until train_batch_size groups have reward variance
+        graphs_before = parallel.compiled_graphs()
         try:
+            # 1-4. gen batches (sample, generate, score) until train_batch_size groups have reward variance
             batch, generated, num_gen_batches = dynamic_sampling(
                 gen_batches(run, cfg, step=step, version=version, timing=timing, counts=counts), cfg,
-                should_stop=lambda: stop.agreed(dims),
                 progress=functools.partial(report_refill, cfg=cfg, bar=bar, log=log))
+            if run.rollouts is not None:  # the generators make the next gen batches while this step trains
+                while len(run.rollouts.pending) < gen_batches_ahead(cfg, step + 1, run.total_steps):
+                    run.rollouts.ask_gen_batch(version, timing)
+                metrics.update(async_metrics(run, batch, version, cfg))
+
+            # 5. advantages from the (final) scalar reward, per group
+            batch.adv = compute_grpo_advantages(batch.seq_final_reward, batch.group_ids, cfg.norm_adv_by_std)
+
+            # 6. old (unless the update's forward gives them) and reference log-probs; optional token
+            # rejection
+            with timed("old_log_prob", timing):
+                if batch.old_logp is None and not old_logp_from_update(cfg):
+                    batch.old_logp = compute_logprobs(model, batch, cfg, dims)
+            if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
+                metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp,
+                                                                 batch.response_mask)
+            if cfg.rollout_rs_threshold > 0:
+                keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
+                metrics["rollout/rs_masked_frac"] = 1 - token_mean(keep, batch.response_mask)
+                batch.response_mask = batch.response_mask * keep
+            if cfg.use_kl_loss:
+                with timed("ref", timing):
+                    batch.ref_logp = compute_logprobs(run.ref_model, batch, cfg, dims)
+            if stop.agreed(dims):  # the last point where the step can be dropped: the update changes weights
+                raise StopRequested
         except StopRequested:  # leave as if this step never began: the resumed run draws the same prompts
-            if run.rollouts is not None:
-                run.rollouts.close()  # gen batches asked ahead are dropped: drawn again after the resume
-            run.sampler.load_state_dict(at_step_start[0])
-            parallel.set_rng_state(at_step_start[1], dims.device)
-            save_checkpoint(cfg, run, step)
-            log(f"stopped by signal while refilling step {step + 1}; resume with resume='auto'")
+            abandon_step(cfg, run, step, at_step_start)
+            log(f"stopped by signal during step {step + 1}, which is dropped (a resumed run starts it "
+                f"again); checkpoint of step {step} written {stop.seconds_since():.1f} s after the signal")
             break
-
-        metrics = {}
-        if run.rollouts is not None:  # the generators make the next gen batches while this step trains
-            while len(run.rollouts.pending) < gen_batches_ahead(cfg, step + 1, run.total_steps):
-                run.rollouts.ask_gen_batch(version, timing)
-            metrics.update(async_metrics(run, batch, version, cfg))
-
-        # 5. advantages from the (final) scalar reward, per group
-        batch.adv = compute_grpo_advantages(batch.seq_final_reward, batch.group_ids, cfg.norm_adv_by_std)
-
-        # 6. old (unless the update's forward gives them) and reference log-probs; optional token rejection
-        with timed("old_log_prob", timing):
-            if batch.old_logp is None and not old_logp_from_update(cfg):
-                batch.old_logp = compute_logprobs(model, batch, cfg, dims)
-        if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
-            metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp,
-                                                             batch.response_mask)
-        if cfg.rollout_rs_threshold > 0:
-            keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
-            metrics["rollout/rs_masked_frac"] = 1 - token_mean(keep, batch.response_mask)
-            batch.response_mask = batch.response_mask * keep
-        if cfg.use_kl_loss:
-            with timed("ref", timing):
-                batch.ref_logp = compute_logprobs(run.ref_model, batch, cfg, dims)
 
         # 7. update
         with timed("update_actor", timing):
@@ -1010,18 +1116,16 @@ def train(cfg: Config):
         metrics["sampler/epoch"] = run.sampler.epoch
         last = step == run.total_steps
         if run.val_prompts and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or last):
-            with timed("testing", timing):
-                metrics.update(validate(run, cfg, version, step))
-        timing["step"] = time.perf_counter() - t_step
-        if run.rollouts is None:
-            # colocated: what no phase accounts for (Python between phases, metrics, logging)
-            timing["other"] = timing["step"] - sum(v for k, v in timing.items() if k != "step")
+            try:
+                with timed("testing", timing):
+                    metrics.update(validate(run, cfg, version, step))
+            except StopRequested:
+                pass  # the step is trained: logged (without val/) and checkpointed below
+        timing = step_timing(timing, t_step, colocated=run.rollouts is None)
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})  # verl's names
-        metrics["perf/tokens_per_s"] = batch.total_tokens() / timing["step"]
-        metrics["perf/tokens_per_s_per_gpu"] = (metrics["perf/tokens_per_s"]
-                                                / (dims.world_size + cfg.rollout_gpus))
-        if dims.device.type != "cpu":
-            metrics["perf/max_memory_allocated_gib"] = parallel.max_memory_allocated_gib(dims.device)
+        metrics.update(perf_metrics(batch, timing["step"], dims, cfg))
+        if parallel.compiled_graphs():  # torch.compile is on: a new shape or a recompile shows up here
+            metrics["perf/compiled_graphs"] = parallel.compiled_graphs() - graphs_before
         if dims.is_main:
             logger.log(step, {k: float(v) for k, v in metrics.items()})
         bar.update(1)
@@ -1029,8 +1133,8 @@ def train(cfg: Config):
         if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or (last and cfg.save_freq >= 0) or stopping:
             save_checkpoint(cfg, run, step)
         if stopping:
-            log(f"stopped by signal after step {step}; checkpoint written, resume with resume='auto'")
-            break
+            log(f"stopped by signal after step {step}; its checkpoint was written "
+                f"{stop.seconds_since():.1f} s after the signal; resume with resume='auto'")
     bar.close()
     if run.rollouts is not None:
         run.rollouts.close()
@@ -1042,10 +1146,42 @@ def train(cfg: Config):
     return model
 
 
+def abandon_step(cfg: Config, run: Run, step: int, at_step_start: tuple):
+    """A stop during step + 1, before its update: drop what it generated (and the gen batches asked ahead),
+    rewind the sampler and RNG to the step's start, so that a resumed run draws the same prompts, and write
+    step's checkpoint."""
+    if run.rollouts is not None:
+        run.rollouts.close()
+    run.sampler.load_state_dict(at_step_start[0])
+    parallel.set_rng_state(at_step_start[1], run.dims.device)
+    save_checkpoint(cfg, run, step)
+
+
+def step_timing(timing: dict, t_step: float, colocated: bool) -> dict:
+    """Each phase's seconds, the step's, and (colocated) "other": what no phase accounts for (Python between
+    phases, metrics, logging)."""
+    timing = {**timing, "step": time.perf_counter() - t_step}
+    if colocated:
+        timing["other"] = timing["step"] - sum(v for k, v in timing.items() if k != "step")
+    return timing
+
+
+def perf_metrics(batch: Trajectories, step_s: float, dims, cfg: Config) -> dict:
+    """Throughput over all GPUs of the run (generators included), and this GPU's peak memory."""
+    metrics = {"perf/tokens_per_s": batch.total_tokens() / step_s}
+    metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / (dims.world_size + cfg.rollout_gpus)
+    if dims.device.type != "cpu":
+        metrics["perf/max_memory_allocated_gib"] = parallel.max_memory_allocated_gib(dims.device)
+    return metrics
+
+
 def setup(cfg: Config) -> Run:
     """Devices, data, reward, rollout engine, policy (+ reference), optimizer:
     cheap things that can fail first."""
-    dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size, cfg.ep_size, cfg.rollout_gpus)
+    # async mode: the other trainer ranks wait in a collective while rank 0's watchdog waits on a generator
+    timeout_s = cfg.watchdog_timeout_s + 300 if cfg.rollout_gpus else None
+    dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size, cfg.ep_size, cfg.rollout_gpus,
+                                     timeout_s=timeout_s)
     # before anything is written there
     out_dir_lock = checkpoint.lock_out_dir(cfg.out_dir) if dims.is_main else None
     try:
@@ -1057,6 +1193,7 @@ def setup(cfg: Config) -> Run:
         torch.set_num_threads(cfg.cpu_threads)
     parallel.seed_everything(cfg.seed)
     compute_dtype = torch.float32 if dims.device.type == "cpu" else getattr(torch, cfg.dtype)
+    compile_blocks = use_compile(cfg.compile, dims.device.type)
     log = say if dims.is_main else (lambda msg: None)
     if dims.is_main:
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -1073,7 +1210,7 @@ def setup(cfg: Config) -> Run:
     if dims.is_generator:
         # async mode: a built-in engine with its own copy of the weights; no policy, no optimizer
         engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
-                             max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=cfg.compile)
+                             max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=compile_blocks)
         return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
                    sampler=sampler, scorer=scorer, engine=engine, gen_tp=1, compute_dtype=compute_dtype,
                    log=log)
@@ -1101,8 +1238,11 @@ def setup(cfg: Config) -> Run:
     shard = None  # how from_pretrained wraps each module it builds
     if dims.sharded:
         shard = functools.partial(parallel.parallelize, dims=dims, param_dtype=compute_dtype,
-                                  offload=cfg.param_offload or cfg.optimizer_offload, compile=cfg.compile)
+                                  offload=cfg.param_offload or cfg.optimizer_offload, compile=compile_blocks)
     model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
+    if compile_blocks:
+        log(f"torch.compile: the policy's decoder blocks (compile={cfg.compile!r}), shapes dynamic from the "
+            "start")
     ckpt = cfg.gradient_checkpointing
     if ckpt == "auto" and dims.device.type == "cpu":  # no memory plan for the host: checkpointing stays on
         ckpt = True
@@ -1127,12 +1267,12 @@ def setup(cfg: Config) -> Run:
             gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device)
         # check_config allows compile=True only where dims.sharded: never on the trainer's own module
         engine = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded,
-                             compile=cfg.compile)
+                             compile=compile_blocks)
         gen_tp = 1
         features = ["built-in"]
         if engine.use_cuda_graph:
             features.append("CUDA graphs")
-        if cfg.compile:
+        if compile_blocks:
             features.append("compiled blocks")
         log(f"rollout engine: torch ({', '.join(features)})")
     # no full-size temporaries
@@ -1147,6 +1287,14 @@ def setup(cfg: Config) -> Run:
                sampler=sampler, scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype,
                log=log, model=model, ref_model=ref_model, optimizer=optimizer, scheduler=scheduler,
                total_steps=total_steps, out_dir_lock=out_dir_lock)
+
+
+def use_compile(setting: bool | str, device_type: str) -> bool:
+    """compile="auto": on a CUDA GPU (the policy is sharded there, a mesh of one on one GPU); eager on the
+    CPU (the demo's blocks are too small to gain) and on other accelerators (untested with Inductor here)."""
+    if setting == "auto":
+        return device_type == "cuda"
+    return setting
 
 
 def load_prompts(cfg: Config, tokenizer, files: list[str], max_samples: int) -> list[dict]:
@@ -1214,7 +1362,9 @@ def rollout_metrics(generated: Trajectories, num_gen_batches: int, counts: dict,
 def sampler_state(run: Run) -> dict:
     """The sampler as it was before the oldest gen batch not yet trained on was drawn
     (async mode: gen batches asked ahead)."""
-    pending = run.rollouts.pending if run.rollouts is not None else []
+    pending = []
+    if run.rollouts is not None:  # validation requests draw nothing from the sampler
+        pending = [e for e in run.rollouts.pending if not e["request"].val]
     return pending[0]["sampler_state"] if pending else run.sampler.state_dict()
 
 
@@ -1276,11 +1426,15 @@ def save_val_generations(traj: Trajectories, val_prompts, tokenizer, cfg: Config
 
 
 class StopFlag:
-    """SIGTERM / SIGINT (preemption, Ctrl-C): finish the current step (or abandon a refill), checkpoint,
-    exit 0. A second signal stops the reward workers and exits at once with 128 + the signal number."""
+    """SIGTERM / SIGINT (preemption, Ctrl-C): stop at the nearest safe point, quickly. A step not yet updating
+    is dropped (generation and scoring stop within a decode step or a response, the sampler and RNG rewind to
+    the step's start); a step already updating finishes. Then the last completed step's checkpoint is written
+    and the process exits 0. A second signal stops the reward workers and exits at once with 128 + the signal
+    number."""
 
     def __init__(self, log, on_force_exit=lambda: None):
         self.requested, self.log, self.on_force_exit, self.previous = False, log, on_force_exit, {}
+        self.signalled_at = None  # time.monotonic() of the first signal
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -1289,14 +1443,24 @@ class StopFlag:
             self.log("second signal: exiting now without a checkpoint")
             self.on_force_exit()
             os._exit(128 + signum)
-        self.requested = True
-        self.log(f"signal {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                 "(send it again to exit now)")
+        self.requested, self.signalled_at = True, time.monotonic()
+        self.log(f"signal {signal.Signals(signum).name}: stopping at the next safe point, then writing a "
+                 "checkpoint (send it again to exit now)")
+
+    def signalled(self) -> bool:
+        """Whether this rank got a signal (local: polled inside generation and scoring)."""
+        return self.requested
 
     def agreed(self, dims) -> bool:
         """True on every rank once any rank was signalled
         (a collective: call it at the same point on all ranks)."""
         return parallel.all_reduce_max(int(self.requested), dims) > 0
+
+    def seconds_since(self) -> float:
+        """Seconds since this rank's signal (0 on a rank stopped by another's)."""
+        if self.signalled_at is None:
+            return 0.0
+        return time.monotonic() - self.signalled_at
 
     def restore(self):
         for s, h in self.previous.items():
@@ -1360,6 +1524,23 @@ class Logger:
 # -----------------------------------------------------------------------------
 # command line: train, --dry_run
 
+def report_failure(e: Exception):
+    """One clear line for the run's failure: the `error:` line on the rank that failed first, a short line
+    naming it on the others (which fail after it, in a collective or with the same error)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if parallel.is_peer_failure(e):
+        first = parallel.failed_rank()
+    else:
+        first = parallel.claim_failure(rank)
+    if first is None and parallel.is_peer_failure(e):
+        print(f"rank {rank}: stopped because another rank exited (killed, or out of memory?); its output "
+              "says why", file=sys.stderr)
+    elif first is None or first == rank:
+        print(f"error: {e}", file=sys.stderr)
+    else:
+        print(f"rank {rank}: stopped because rank {first} failed (its error is above)", file=sys.stderr)
+
+
 # exit codes: 0 done (or stopped by a signal after a checkpoint),
 # 2 bad input (config, data, model, checkpoint), 3 the run could not continue, 128 + N a second signal N
 EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
@@ -1375,8 +1556,13 @@ def main(argv: list[str]) -> int:
             return 0
         train(cfg)
     except BAD_INPUT + RUN_FAILED as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_failure(e)
         return EXIT_RUN_FAILED if isinstance(e, RUN_FAILED) else EXIT_BAD_INPUT
+    except Exception as e:
+        if not parallel.is_peer_failure(e):
+            raise
+        report_failure(e)  # another rank stopped first: it said why
+        return EXIT_RUN_FAILED
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
         print(f"plot them: python tools/plot.py {cfg.out_dir}")

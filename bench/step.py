@@ -280,7 +280,7 @@ def nanodapo_side(name, engine):
                clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean", entropy_coeff=0.0,
                use_kl_loss=False, use_kl_in_reward=False, filter_groups=False, overlong_buffer=False,
                reward_fn=os.path.join(ROOT, "bench", "hash_reward.py") + ":compute_score", reward_num_workers=2,
-               lr=args.lr, lr_warmup_steps=0, weight_decay=0.0, grad_clip=1.0, gradient_checkpointing=True,
+               lr=args.lr, lr_warmup_steps=0, weight_decay=0.0, grad_clip=1.0,
                temperature=1.0, top_p=1.0, top_k=-1, max_num_seqs=P * G, rollout_engine=engine,
                total_training_steps=args.steps, save_freq=-1, test_freq=0, val_before_train=False,
                resume="disable", out_dir=out_dir, logger=["console", "jsonl"], seed=0)

@@ -65,7 +65,6 @@ lr = 1e-6
 lr_warmup_steps = 10
 weight_decay = 0.1
 grad_clip = 1.0
-gradient_checkpointing = True
 
 # sampling
 temperature = 1.0

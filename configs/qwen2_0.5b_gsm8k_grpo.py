@@ -28,8 +28,8 @@
 # - ref.fsdp_config.param_offload=True while the actor is not offloaded: nanodapo's reference model follows the
 #   actor's offload setting, so it stays on the device (0.5B parameters: 0.1 GiB per device in fp32 shards).
 # - trainer.device=npu: device="auto" picks the NPU where torch_npu is installed (set device="npu" to insist).
-# - use_torch_compile=False, use_remove_padding=True, critic_warmup=0: nanodapo's training forward is not compiled,
-#   is always packed (no padding), and has no critic.
+# - use_torch_compile=False, use_remove_padding=True, critic_warmup=0: nanodapo compiles its decoder blocks on CUDA
+#   (compile="auto"; set compile=False for verl's eager forward), is always packed (no padding), and has no critic.
 # Values the example leaves to verl's defaults are spelled out below (clip 0.2 / 0.2, dual-clip c 3.0, token-mean,
 # weight decay 0.01, no warmup, greedy validation, no dynamic sampling, no overlong shaping).
 
@@ -72,7 +72,6 @@ lr = 1e-6
 lr_warmup_steps = 0
 weight_decay = 0.01
 grad_clip = 1.0
-gradient_checkpointing = True
 param_offload = False
 optimizer_offload = False
 

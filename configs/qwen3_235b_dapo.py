@@ -34,8 +34,8 @@
 # Recipe settings nanodapo does not take:
 # - Megatron pipeline_model_parallel_size 4, tensor_model_parallel_size 4, context_parallel_size 8,
 #   num_layers_in_first/last_pipeline_stage 22, recompute_method uniform / granularity full / num_layers 1
-#   (gradient_checkpointing=True is per block, the same thing), use_flash_attn, dist_checkpointing_path (an mcore
-#   copy of the weights: nanodapo reads the HF safetensors directly; no mbridge), grad_offload (offloaded with
+#   (nanodapo checkpoints whole blocks, as many as the memory plan needs), use_flash_attn, dist_checkpointing_path
+#   (an mcore copy of the weights: nanodapo reads the HF safetensors directly; no mbridge), grad_offload (offloaded with
 #   the params here), the MoE token dispatcher (DeepEP, permute fusion: plain all-to-all here).
 # - ref.*: no reference model (no KL term). rollout.dp_model_parallel_size / rollout_world_size, load_format,
 #   max_model_len (derived here: prompt + response), device=npu, nccl_timeout, log_val_generations=-1.
@@ -84,7 +84,6 @@ lr = 1e-6
 lr_warmup_steps = 0
 weight_decay = 0.1
 grad_clip = 1.0
-gradient_checkpointing = True
 
 # sampling: train at T 1.0; validate with one sample at T 1.0, top_p 0.7
 temperature = 1.0

@@ -68,7 +68,6 @@ lr = 1e-6
 lr_warmup_steps = 10
 weight_decay = 0.1
 grad_clip = 1.0
-gradient_checkpointing = True
 dtype = "bfloat16"
 
 # sampling: train at T 1.0; validate with one sample at T 1.0, top_p 0.7

@@ -67,7 +67,6 @@ lr = 1e-6
 lr_warmup_steps = 10
 weight_decay = 0.1
 grad_clip = 1.0
-gradient_checkpointing = True
 
 # sampling: train at T 1.0; validate as Qwen3 recommends for thinking mode
 temperature = 1.0

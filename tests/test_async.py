@@ -4,8 +4,6 @@ older than max_staleness versions, and every prompt drawn is trained on once, in
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,21 +11,14 @@ import torch
 
 import config
 import train_dapo as T
-from conftest import ROOT, run_metrics, trainer_argv
+from conftest import run_metrics, torchrun_trainer, trainer_argv
 
 STEPS = 4  # save_freq=2: a checkpoint every other step, rounds asked ahead on the steps between
 
 
 def torchrun(tiny_dir, out, nproc, rollout_gpus, fault=None, steps=STEPS, **over):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    env.pop("NANODAPO_FAULT", None)
-    if fault:
-        env["NANODAPO_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(29000 + (os.getpid() + hash(str(out))) % 1000), os.path.join(ROOT, "train_dapo.py"), "--",
-           *trainer_argv(tiny_dir, out, **{"total_training_steps": steps, "save_freq": 2,
-                                           "rollout_gpus": rollout_gpus, **over})]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    over = {"total_training_steps": steps, "save_freq": 2, "rollout_gpus": rollout_gpus, **over}
+    return torchrun_trainer(tiny_dir, out, nproc, fault=fault, **over)
 
 
 def finish(p):

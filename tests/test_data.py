@@ -660,6 +660,30 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert len(item["prompt_ids"]) == 1 + 5 + 2 + 1 + 1 + 1 + 10 + 19
 
 
+
+def test_template_rejecting_a_row_names_file_row_roles_and_fix(tmp_path):
+    # as Gemma's and Mistral's templates do: only user and assistant turns
+    template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                "{{ raise_exception('Conversation roles must be user or assistant') }}{% endif %}{% endfor %}"
+                + CHAT_TEMPLATE)
+    tok = data.Tokenizer.from_pretrained(byte_tokenizer_dir(tmp_path / "m", template=template))
+    system_first = [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]
+    with_system = dict(row("b"), prompt=system_first)
+    path = write(tmp_path, "p.parquet", [row("a"), with_system, row("c")])
+    with pytest.raises(DataError) as e:
+        load_prompts([path], tok, max_prompt_length=100)
+    msg = str(e.value)
+    for phrase in [path, "row 1 (0-based)", "roles ['system', 'user']",
+                   "Conversation roles must be user or assistant", "tokenizer_config.json 'chat_template'",
+                   "fold the system message", "chat_template_kwargs"]:
+        assert phrase in msg, (phrase, msg)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    # rows with only user turns load with the same template
+    ok = write(tmp_path, "ok.parquet", [row("a"), row("c")])
+    items = load_prompts([ok], tok, max_prompt_length=100)
+    assert [tok.decode(i["prompt_ids"], skip_special_tokens=False) for i in items] == \
+        [f"<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n" for c in "ac"]
+
 @pytest.mark.parametrize("eos_token,generation_config,config,expected", [
     ("<|im_end|>", None, None, [2]),                                   # the tokenizer's eos_token alone
     ("<|im_end|>", None, {"eos_token_id": 0}, [2, 0]),                 # no generation_config.json: config.json's

@@ -1,9 +1,11 @@
 """Bad inputs get one clear message before expensive work; crashes, preemption and corrupt checkpoints
 lose nothing (the resumed run reproduces the uninterrupted one's metrics exactly on CPU)."""
+import contextlib
 import errno
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +20,7 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import data
 import train_dapo as T
-from conftest import ROOT, make_model_dir, run_metrics, trainer_argv
+from conftest import ROOT, make_model_dir, run_metrics, torchrun_trainer, trainer_argv
 from tools import plot, prepare_data
 
 
@@ -267,7 +269,7 @@ def test_resume_from_a_different_model_shape(tiny_dir, tmp_path, capsys):
 @pytest.mark.slow  # restarts timed-out reward workers
 def test_hanging_reward_times_out_and_the_run_continues(tiny_dir, tmp_path):
     fn = reward_file(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                               "    if solution_str.count('1') % 3 == 0:\n        time.sleep(60)\n"
+                               "    if len(solution_str) % 5 == 0:\n        time.sleep(60)\n"  # a few
                                "    return float(len(solution_str) % 2)\n")
     assert T.main(trainer_argv(tiny_dir, tmp_path / "run", total_training_steps=1, reward_fn=fn,
                                reward_num_workers=2, reward_timeout=0.5, filter_groups_metric="score",
@@ -477,3 +479,164 @@ def test_sigterm_while_dynamic_sampling_refills_forever_stops_promptly(tiny_dir,
     assert p.returncode == 0, rest
     assert "stopped by signal while refilling step 1" in rest
     assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")  # no step was finished
+
+
+# -----------------------------------------------------------------------------
+# torchrun: a stop that fits in torchrun's 30 s, watchdogs on waits, one clear line when a rank fails
+
+def worker_pids(p) -> dict:
+    """rank -> pid of the processes torchrun (the Popen p) started."""
+    pids = {}
+    tasks = os.listdir(f"/proc/{p.pid}/task")  # any thread of torchrun may have started a worker
+    for pid in [pid for t in tasks for pid in open(f"/proc/{p.pid}/task/{t}/children").read().split()]:
+        env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+        pids[int(env["RANK"])] = int(pid)
+    return pids
+
+
+def wait_for_step(out, step, p, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and p.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.exists() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines()
+                                 if x.endswith("}")):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"step {step} never finished: {p.stdout.read() if p.poll() is not None else 'timed out'}")
+
+
+SLOW_WHEN_FLAGGED = """
+import os
+from reward import compute_score
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    if os.path.exists({flag!r}):  # the test slows scoring down from some step on; the scores stay the same
+        open({flag!r} + ".sleeping", "w").close()
+        time.sleep(6.0)
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
+@pytest.mark.slow  # torchrun of train_dapo.py
+def test_sigterm_to_torchrun_during_a_step_longer_than_30_s_leaves_a_checkpoint(tiny_dir, tmp_path):
+    flag = tmp_path / "slow"
+    over = dict(reward_fn=reward_file(tmp_path, SLOW_WHEN_FLAGGED.format(flag=str(flag))), reward_num_workers=1,
+                total_training_steps=4, save_freq=0)
+    reference = tmp_path / "reference"
+    p = torchrun_trainer(tiny_dir, reference, 2, **over)
+    assert p.wait(timeout=600) == 0, p.stdout.read()[-5000:]
+
+    out = tmp_path / "run"
+    p = torchrun_trainer(tiny_dir, out, 2, **over)
+    wait_for_step(out, 1, p)
+    flag.touch()  # from now on each response takes 6 s to score: a step takes minutes
+    deadline = time.time() + 120
+    while not (tmp_path / "slow.sleeping").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)  # torchrun forwards it and SIGKILLs its workers 30 s later
+    log = p.communicate(timeout=120)[0]
+    stopped_at = max(r["step"] for r in run_metrics(out))
+    assert f"stopped by signal during step {stopped_at + 1}, which is dropped" in log, log[-5000:]
+    assert (out / "checkpoints" / f"step_{stopped_at}" / "COMPLETE").exists(), log[-5000:]
+    print([line for line in log.splitlines() if "after the signal" in line])  # the time it took, for the record
+
+    flag.unlink()
+    p = torchrun_trainer(tiny_dir, out, 2, **over)
+    log = p.communicate(timeout=600)[0]
+    assert p.returncode == 0 and f"step_{stopped_at} at step {stopped_at}" in log, log[-5000:]
+    assert run_metrics(out) == run_metrics(reference)  # the dropped step was redone as it would have run
+
+
+@pytest.mark.slow  # torchrun of train_dapo.py
+def test_a_stuck_generator_is_reported_and_stops_the_run_after_the_watchdog_limit(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    p = torchrun_trainer(tiny_dir, out, 2, rollout_gpus=1, total_training_steps=50, save_freq=0, val_files=[],
+                         watchdog_log_s=1.0, watchdog_timeout_s=6.0)
+    wait_for_step(out, 1, p)
+    generator = worker_pids(p)[1]
+    os.kill(generator, signal.SIGSTOP)
+    try:
+        log = p.communicate(timeout=120)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # torchrun SIGKILLs it 30 s after the trainer's exit
+            os.kill(generator, signal.SIGKILL)
+    # the trainer waits for its gen batch or in the weight broadcast before it, depending on the moment
+    assert re.search(r"waiting for generator rank(\(s\))? 1( to take the weights)? since", log), log[-5000:]
+    assert "error: waited" in log and "watchdog_timeout_s=6: that rank is stuck or gone" in log, log[-5000:]
+    assert "train_dapo.py\", line" not in log  # one line, no traceback of ours
+
+
+def reward_always_raises(tp):
+    return {"reward_fn": reward_file(tp, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                         "    raise ValueError('broken')\n")}
+
+
+def reward_never_varies(tp):
+    return {"reward_fn": reward_file(tp, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                         "    return 0.0\n"),
+            "filter_groups_metric": "score", "max_num_gen_batches": 2}
+
+
+@pytest.mark.slow  # torchrun of train_dapo.py
+@pytest.mark.parametrize("case,make,message", [
+    ("reward fails everywhere", reward_always_raises, "scoring failed for all"),
+    ("dynamic sampling starved", reward_never_varies, "dynamic sampling: after 2 gen batches"),
+    ("out_dir in use", None, "in use by pid"),
+])
+def test_a_failing_rank_gives_one_error_line_and_the_others_one_short_line(tiny_dir, tmp_path, case, make, message):
+    out = tmp_path / "run"
+    lock = None
+    if make is None:
+        out.mkdir()
+        lock = checkpoint.lock_out_dir(str(out))  # another run holds out_dir
+    p = torchrun_trainer(tiny_dir, out, 2, total_training_steps=2, val_files=[], **(make(tmp_path) if make else {}))
+    log = p.communicate(timeout=300)[0]
+    if lock is not None:
+        lock.close()
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], log[-5000:]
+    assert "stopped because rank" in log, log[-5000:]
+    assert "Connection closed by peer" not in log and "train_dapo.py\", line" not in log, log[-5000:]
+
+
+def test_resuming_past_the_last_step_says_there_is_nothing_to_train(tiny_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=2, val_files=[])) == 0
+    before = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train: the checkpoint resumed is at step 2 and this run has 1 steps" in out
+    assert "total_training_steps" in out and (run / "metrics.jsonl").read_text() == before
+
+
+def test_readme_passes_overrides_to_torchrun_runs_after_a_double_dash():
+    """torchrun's own parser takes an option after the script unless a -- ends its options."""
+    for line in open(os.path.join(ROOT, "README.md")).read().splitlines():
+        if line.lstrip().startswith("torchrun") and " --" in line.split("train_dapo.py", 1)[-1].split("#")[0]:
+            script_args = line.split("train_dapo.py", 1)[1].split("#")[0].split()
+            overrides = [a for a in script_args if a.startswith("--")]
+            assert overrides[0] == "--", line
+
+
+def test_watchdog_says_who_is_waited_for_then_stops_the_run():
+    lines = []
+    cfg = T.Config(watchdog_log_s=0.05, watchdog_timeout_s=0.3)
+    watchdog = T.Watchdog("generator rank 3", cfg, lines.append)
+    with pytest.raises(T.RunError, match=r"waited 0 s for generator rank 3 .*watchdog_timeout_s=0.3: that rank"):
+        while True:
+            watchdog()
+            time.sleep(0.01)
+    assert len(lines) >= 3 and all(line.startswith("waiting for generator rank 3 since ") for line in lines)
+
+
+def test_watchdog_ends_the_wait_at_a_stop_signal():
+    stop = T.StopFlag(lambda msg: None)
+    try:
+        watchdog = T.Watchdog("generator rank 1", T.Config(), lambda msg: None, stop)
+        watchdog()  # no signal: keeps waiting
+        stop.handler(signal.SIGTERM, None)
+        with pytest.raises(T.StopRequested):
+            watchdog()
+    finally:
+        stop.restore()

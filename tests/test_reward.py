@@ -2,6 +2,8 @@
 and the worker pool that scores a batch with a per-call timeout. Expected values are written by hand;
 cases marked "verl:" were checked against verl's reward_score/math_dapo.py or gsm8k.py source."""
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -10,9 +12,9 @@ import numpy as np
 import pytest
 
 import reward
-from reward import (GSM8K_ANSWER, RewardError, RewardScorer, arith_score, check_data_sources, compute_score,
-                    gsm8k_score, load_reward_fn, math_dapo_score, normalize_final_answer, normalize_result,
-                    overlong_penalty)
+from reward import (GSM8K_ANSWER, RewardError, RewardScorer, ScoringStopped, arith_score, check_data_sources,
+                    compute_score, gsm8k_score, load_reward_fn, math_dapo_score, normalize_final_answer,
+                    normalize_result, overlong_penalty)
 
 
 # -----------------------------------------------------------------------------
@@ -442,10 +444,10 @@ def test_scorer_exception_on_one_response(failing_fn, capsys):
         assert f"{path}:{line} in grade" in warning and "data_source='my_data'" in warning
 
 
-def test_scorer_timeouts_alone_do_not_raise(failing_fn, tmp_path):
+def test_scorer_a_minority_of_timeouts_does_not_raise(failing_fn, tmp_path):
     with RewardScorer(failing_fn, num_workers=1, timeout_s=0.5) as scorer:
-        results, stats = scorer.score([("my_data", "sleep", str(tmp_path / "started"), None)])
-    assert results == [FAILED] and stats == {"num_timeouts": 1, "num_errors": 0}
+        results, stats = scorer.score([FINE, ("my_data", "sleep", str(tmp_path / "started"), None), FINE])
+    assert results == [SCORED, FAILED, SCORED] and stats == {"num_timeouts": 1, "num_errors": 0}
 
 
 def _running(pid: int) -> bool:
@@ -530,3 +532,99 @@ def test_kill_and_close_stop_the_workers_at_once(failing_fn):
     assert time.monotonic() - start < 2.0
     with pytest.raises(RuntimeError, match="after close"):
         scorer.score([FINE])
+
+
+def test_workers_ignore_sigterm():
+    # under torchrun the launcher's SIGTERM reaches the whole process group; the trainer closes its workers
+    item = ("arith", "Answer: 3", "3", None)
+    with RewardScorer(num_workers=1) as scorer:
+        assert scorer.score([item]) == ([{"score": 1.0, "acc": True, "pred": "3"}],
+                                        {"num_timeouts": 0, "num_errors": 0})
+        pid = scorer.workers[0].proc.pid
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.2)  # time for the signal to land
+        assert scorer.score([item] * 3) == ([{"score": 1.0, "acc": True, "pred": "3"}] * 3,
+                                            {"num_timeouts": 0, "num_errors": 0})
+        assert scorer.workers[0].proc.pid == pid and _running(pid)
+
+
+SLOW = """
+import time
+
+def grade(data_source, solution_str, ground_truth, extra_info=None):
+    if "slow" in solution_str:
+        time.sleep(float(ground_truth))
+    return float(len(solution_str))
+"""
+
+
+@pytest.fixture
+def slow_fn(tmp_path):
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW)
+    return f"{path}:grade"
+
+
+def test_scorer_timeouts_are_reported(slow_fn, capsys):
+    long_solution = "slow " + "x" * 100
+    items = [("fast_data", "a", "0", None), ("slow_data", long_solution, "60", None),
+             ("fast_data", "bb", "0", None)]
+    with RewardScorer(slow_fn, num_workers=1, timeout_s=0.3) as scorer:
+        results, stats = scorer.score(items)
+        assert [r["score"] for r in results] == [1.0, 0.0, 2.0]
+        assert stats == {"num_timeouts": 1, "num_errors": 0}
+        warning = capsys.readouterr().err
+        assert warning.count("warning:") == 1 and warning.count("\n") == 1  # one line per call
+        for needed in ["1 of 3 responses", "reward_timeout=0.3 s", slow_fn, "data_source='slow_data'",
+                       repr(long_solution[:60])]:
+            assert needed in warning
+        assert long_solution[:61] not in warning
+        scorer.score(items[:1])
+        assert capsys.readouterr().err == ""  # no timeouts, no warning
+
+
+def test_scorer_most_responses_timing_out_raise(slow_fn):
+    items = [("my_data", "slow", "60", None)] * 3 + [("my_data", "fast", "0", None)]  # the fast one scores
+    with RewardScorer(slow_fn, num_workers=1, timeout_s=0.3) as scorer:
+        with pytest.raises(RewardError) as e:
+            scorer.score(items)
+        msg = str(e.value)
+        for needed in [slow_fn, "reward_timeout=0.3 s", "3 of 4 responses", "data_source='my_data'",
+                       "Raise reward_timeout", "num_workers=0"]:
+            assert needed in msg
+        assert scorer.score([("my_data", "ok", "0", None)])[0] == [{"score": 2.0, "acc": True, "pred": None}]
+
+
+def test_scorer_function_that_always_hangs_fails_fast(slow_fn):
+    # waiting out every response would take 40 * 0.3 s / 2 workers; it stops after max(4, 2 * 2) timeouts
+    with RewardScorer(slow_fn, num_workers=2, timeout_s=0.3) as scorer:
+        with pytest.raises(RewardError) as e:
+            scorer.score([("my_data", f"slow {i}", "60", None) for i in range(40)])
+        msg = str(e.value)
+        found = re.search(r"on (\d+) of the 40 responses of this call before scoring any", msg)
+        timed_out = int(found.group(1))
+        assert timed_out == 4 and "reward_timeout=0.3 s" in msg and slow_fn in msg
+        # busy workers were replaced: none of the abandoned responses reaches the next call
+        assert scorer.score([("my_data", "a", "0", None), ("my_data", "bb", "0", None)]) == (
+            [{"score": 1.0, "acc": True, "pred": None}, {"score": 2.0, "acc": True, "pred": None}],
+            {"num_timeouts": 0, "num_errors": 0})
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_scorer_should_stop_abandons_the_call(slow_fn, num_workers):
+    assert not issubclass(ScoringStopped, ValueError)  # not a RewardError: nothing is wrong with the function
+    with RewardScorer(slow_fn, num_workers=num_workers) as scorer:
+        scorer.score([("my_data", "a", "0", None)])  # with workers: they are up before the clock starts
+        start, polls = time.monotonic(), []
+
+        def should_stop():
+            polls.append(time.monotonic() - start)
+            return polls[-1] > 0.3
+
+        with pytest.raises(ScoringStopped):
+            scorer.score([("my_data", "slow", "0.5", None)] * 20, should_stop=should_stop)
+        assert [p > 0.3 for p in polls].count(True) == 1 and polls[-1] > 0.3  # stopped at the first True
+        # the abandoned responses (score 4.0) never reach the next call
+        assert scorer.score([("my_data", "a", "0", None), ("my_data", "bb", "0", None)]) == (
+            [{"score": 1.0, "acc": True, "pred": None}, {"score": 2.0, "acc": True, "pred": None}],
+            {"num_timeouts": 0, "num_errors": 0})

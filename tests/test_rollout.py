@@ -49,6 +49,25 @@ def test_greedy_equals_naive_loop_with_stops_and_compaction():
                 assert len(c.logprobs) == len(exp)
 
 
+def test_a_stop_request_ends_generation_within_a_decode_step_and_a_false_one_changes_nothing():
+    eng = R.TorchEngine(tiny_model(2), max_num_seqs=4)  # 2 prompts a wave: two waves
+    params = R.SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3, ignore_eos=True)
+    asked = []
+
+    def stop_after(k):
+        def should_stop():
+            asked.append(1)
+            return len(asked) > k
+        return should_stop
+
+    with pytest.raises(R.GenerationStopped, match="decode step 3 of 10"):
+        eng.generate(PROMPTS, params, should_stop=stop_after(13))  # the first wave's 10 steps, then 3
+    assert len(asked) == 14
+    plain = eng.generate(PROMPTS, params)
+    polled = eng.generate(PROMPTS, params, should_stop=lambda: False)
+    assert [[c.token_ids for c in cs] for cs in polled] == [[c.token_ids for c in cs] for cs in plain]
+
+
 def test_top_k_1_equals_greedy():
     m = tiny_model(1)
     eng = R.TorchEngine(m)

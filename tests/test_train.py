@@ -185,17 +185,19 @@ def test_dynamic_sampling_error_names_numbers_and_knobs():
                             for r in range(1, 5)), cfg)
 
 
-def test_dynamic_sampling_stops_between_rounds_when_asked():
+def test_a_stop_while_refilling_ends_dynamic_sampling():
     cfg = T.Config(train_batch_size=2, gen_batch_size=2, n=2, max_response_length=4, max_num_gen_batches=0)
     made = []
 
-    def rounds():  # never enough varying groups: without the stop request this would refill forever
+    def gen_batches():  # never enough varying groups: without the stop this would refill forever
         for r in range(1, 100):
+            if r == 4:
+                raise T.StopRequested  # what the rollout's agreement raises once a rank got a signal
             made.append(r)
             yield fake_round([[0, 0], [1, 1]], 2, 10 * r)
 
     with pytest.raises(T.StopRequested):
-        T.dynamic_sampling(rounds(), cfg, should_stop=lambda: len(made) >= 3)
+        T.dynamic_sampling(gen_batches(), cfg)
     assert made == [1, 2, 3]
 
 
