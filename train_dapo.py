@@ -1324,8 +1324,11 @@ def save_checkpoint(cfg: Config, run: Run, step: int):
     if step == 0 or cfg.save_freq < 0:  # nothing trained yet, or checkpoints are off
         return
     state = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": sampler_state(run)}
+    t0 = time.perf_counter()
     checkpoint.save(cfg.out_dir, step, run.model, run.optimizer, state, run.dims, dtype=run.compute_dtype,
                     model_path=cfg.model_path, keep_last=cfg.keep_last)
+    # what a stop signal needs on top of the step in flight: a launcher's grace period must cover it
+    run.log(f"checkpoint step_{step} written in {time.perf_counter() - t0:.1f} s")
 
 
 def validate(run: Run, cfg: Config, version: int, step: int) -> dict:
