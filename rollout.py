@@ -457,11 +457,10 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None,
                  should_stop=None) -> list[list[Completion]]:
-        """should_stop() is asked once, before generating: a vLLM generate call runs to its end (its TP
-        ranks step together, so they could only stop together)."""
+        """should_stop is not asked: a vLLM generate call runs to its end, because its TP ranks step together
+        (one that stopped alone would leave the others waiting in a collective); the caller's agreement after
+        the call stops every rank."""
         check_version(self.weights_version, version)
-        if should_stop is not None and should_stop():
-            raise GenerationStopped("stopped before generating")
         self.wake_up(["kv_cache"])
         return vllm_completions(self.llm.generate(*self.requests(prompts, params), use_tqdm=False), params)
 

@@ -25,9 +25,7 @@ import itertools
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 import typing
 from dataclasses import asdict, dataclass, field
@@ -45,6 +43,7 @@ from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
 from hf import from_pretrained
 from model import load_balancing_loss, pack_sequences
+from parallel import StopFlag, StopRequested, Watchdog, report_failure
 from rollout import (GenerationStopped, SamplingParams, TorchEngine, VLLMEngine, engine_results, engine_share,
                      resolve_engine)
 
@@ -514,57 +513,9 @@ class Request:
 STOPPED = "stopped"  # a generator's reply to a request it dropped for a stop signal
 
 
-class Watchdog:
-    """For a rank that waits on another. Polled (parallel.recv_object's poll): a line every watchdog_log_s
-    naming whom it waits for and since when, RunError after watchdog_timeout_s, and with `stop`,
-    StopRequested once this rank got a stop signal. guarding(): the same lines and limit for a blocking call
-    that cannot be polled (a collective), from a thread that ends the process at the limit."""
-
-    def __init__(self, waited_for: str, cfg: Config, log, stop: "StopFlag | None" = None):
-        self.waited_for, self.cfg, self.log, self.stop = waited_for, cfg, log, stop
-        self.start, self.since = time.monotonic(), time.strftime("%H:%M:%S")
-        self.next_line = cfg.watchdog_log_s
-
-    def __call__(self):
-        if self.stop is not None and self.stop.signalled():
-            raise StopRequested
-        problem = self.check()
-        if problem is not None:
-            raise RunError(problem)
-
-    def check(self) -> str | None:
-        """Say the line when one is due -> what is wrong once past the limit, else None."""
-        waited = time.monotonic() - self.start
-        if waited > self.cfg.watchdog_timeout_s:
-            return (f"waited {waited:.0f} s for {self.waited_for} (since {self.since}), more than "
-                    f"watchdog_timeout_s={self.cfg.watchdog_timeout_s:g}: that rank is stuck or gone "
-                    "(a stopped process, a hung reward function, a lost node; its own output may say which). "
-                    "Raise watchdog_timeout_s if it is only slow")
-        if waited >= self.next_line:
-            self.log(f"waiting for {self.waited_for} since {self.since} ({waited:.0f} s; the run stops after "
-                     f"watchdog_timeout_s={self.cfg.watchdog_timeout_s:g})")
-            self.next_line += self.cfg.watchdog_log_s
-        return None
-
-    @contextlib.contextmanager
-    def guarding(self, on_timeout=lambda: None):
-        done = threading.Event()
-
-        def watch():
-            while not done.wait(min(1.0, self.cfg.watchdog_log_s)):
-                problem = self.check()
-                if problem is not None:  # the main thread is blocked in the call: end the process here
-                    report_failure(RunError(problem))
-                    on_timeout()
-                    os._exit(EXIT_RUN_FAILED)
-
-        thread = threading.Thread(target=watch, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
+def watchdog_for(waited_for: str, cfg: Config, log, stop: StopFlag | None = None) -> Watchdog:
+    """A Watchdog with the config's watchdog_log_s and watchdog_timeout_s."""
+    return Watchdog(waited_for, cfg.watchdog_log_s, cfg.watchdog_timeout_s, log, stop)
 
 
 class RolloutQueue:
@@ -592,8 +543,9 @@ class RolloutQueue:
                 self.sends += parallel.send_object(req, g)
         if req.weights:
             ranks = ", ".join(map(str, self.generators))
-            watchdog = Watchdog(f"generator rank(s) {ranks} to take the weights", self.cfg, self.run.log)
-            with timed("weight_transfer", timing), watchdog.guarding(on_timeout=self.run.scorer.kill):
+            watchdog = watchdog_for(f"generator rank(s) {ranks} to take the weights", self.cfg, self.run.log)
+            guard = watchdog.guarding(EXIT_RUN_FAILED, on_timeout=self.run.scorer.kill)
+            with timed("weight_transfer", timing), guard:
                 buckets = parallel.iter_full_weights(self.run.model, self.cfg.weight_sync_bucket_mb * 2**20,
                                                      dtype=self.run.compute_dtype)
                 if dims.is_main:
@@ -616,14 +568,14 @@ class RolloutQueue:
                  train_params(self.cfg, self.run.tokenizer, self.cfg.seed + 1000 * version + r),
                  version, timing, state)
 
-    def receive(self, entry: dict, stop: "StopFlag | None"):
+    def receive(self, entry: dict, stop: StopFlag | None):
         """Rank 0: receive replies until every generator's reply to entry is in. A generator answers in the
         order asked, so its next reply belongs to the oldest entry still without one from it. The watchdog
         says who is waited for; with `stop`, a stop signal ends the wait (StopRequested)."""
         for g in self.generators:
             while g not in entry["replies"]:
                 oldest = next(e for e in self.pending if g not in e["replies"])
-                watchdog = Watchdog(f"generator rank {g}", self.cfg, self.run.log, stop)
+                watchdog = watchdog_for(f"generator rank {g}", self.cfg, self.run.log, stop)
                 oldest["replies"][g] = parallel.recv_object(g, poll=watchdog)
 
     def take(self, entry: dict, timing: dict) -> tuple[Trajectories, dict]:
@@ -680,11 +632,11 @@ def serve_rollouts(run: "Run", cfg: Config):
         if dims.rank == dims.world_size:
             say(f"generator rank {dims.rank}: {msg}")
 
-    waiting = functools.partial(Watchdog, "trainer rank 0 (its next request)", cfg, log)
+    waiting = functools.partial(watchdog_for, "trainer rank 0 (its next request)", cfg, log)
     while (req := parallel.recv_object(0, poll=waiting())) is not None:
         if req.weights:  # taken even when stopping: the broadcast is collective
-            watchdog = Watchdog("trainer rank 0 to send the weights", cfg, log)
-            with watchdog.guarding(on_timeout=run.scorer.kill):
+            watchdog = watchdog_for("trainer rank 0 to send the weights", cfg, log)
+            with watchdog.guarding(EXIT_RUN_FAILED, on_timeout=run.scorer.kill):
                 run.engine.load_weights(parallel.broadcast_buckets(None, dims.rollout_group, dims.device),
                                         req.version)
         reply = STOPPED
@@ -766,10 +718,6 @@ def kept_mask(traj: Trajectories, cfg: Config) -> torch.Tensor:
     if not cfg.filter_groups:
         return torch.ones(len(traj), dtype=torch.bool)
     return varying_groups(getattr(traj, cfg.filter_groups_metric), traj.group_ids)  # a Trajectories field
-
-
-class StopRequested(Exception):
-    """Every rank agreed to stop (a signal) before the step's update: the step is abandoned, not trained."""
 
 
 def dynamic_sampling(gen_batches, cfg: Config, progress=None):
@@ -1013,7 +961,7 @@ class Run:
     total_steps: int = 0
     out_dir_lock: typing.IO | None = None  # held by rank 0 for the whole run
     rollouts: RolloutQueue | None = None  # async mode: gen batches asked of the generator ranks
-    stop: "StopFlag" = None  # SIGTERM / SIGINT: set by train() (trainer ranks) or serve_rollouts (generators)
+    stop: StopFlag = None  # SIGTERM / SIGINT: set by train() (trainer ranks) or serve_rollouts (generators)
 
 
 def say(msg: str):
@@ -1073,19 +1021,7 @@ def train(cfg: Config):
 
             # 6. old (unless the update's forward gives them) and reference log-probs; optional token
             # rejection
-            with timed("old_log_prob", timing):
-                if batch.old_logp is None and not old_logp_from_update(cfg):
-                    batch.old_logp = compute_logprobs(model, batch, cfg, dims)
-            if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
-                metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp,
-                                                                 batch.response_mask)
-            if cfg.rollout_rs_threshold > 0:
-                keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
-                metrics["rollout/rs_masked_frac"] = 1 - token_mean(keep, batch.response_mask)
-                batch.response_mask = batch.response_mask * keep
-            if cfg.use_kl_loss:
-                with timed("ref", timing):
-                    batch.ref_logp = compute_logprobs(run.ref_model, batch, cfg, dims)
+            metrics.update(logprobs_for_update(run, cfg, batch, timing))
             if stop.agreed(dims):  # the last point where the step can be dropped: the update changes weights
                 raise StopRequested
         except StopRequested:  # leave as if this step never began: the resumed run draws the same prompts
@@ -1144,6 +1080,25 @@ def train(cfg: Config):
         run.out_dir_lock.close()
     parallel.shutdown()
     return model
+
+
+def logprobs_for_update(run: Run, cfg: Config, batch: Trajectories, timing: dict) -> dict:
+    """Step 6 on the training batch: the old log-probs (unless the update's forward gives them), the reference
+    log-probs when the KL loss is on, and token rejection against the engine's log-probs -> metrics."""
+    metrics = {}
+    with timed("old_log_prob", timing):
+        if batch.old_logp is None and not old_logp_from_update(cfg):
+            batch.old_logp = compute_logprobs(run.model, batch, cfg, run.dims)
+    if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
+        metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
+    if cfg.rollout_rs_threshold > 0:
+        keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
+        metrics["rollout/rs_masked_frac"] = 1 - token_mean(keep, batch.response_mask)
+        batch.response_mask = batch.response_mask * keep
+    if cfg.use_kl_loss:
+        with timed("ref", timing):
+            batch.ref_logp = compute_logprobs(run.ref_model, batch, cfg, run.dims)
+    return metrics
 
 
 def abandon_step(cfg: Config, run: Run, step: int, at_step_start: tuple):
@@ -1428,48 +1383,6 @@ def save_val_generations(traj: Trajectories, val_prompts, tokenizer, cfg: Config
                                 "score": traj.score[i].item()}) + "\n")
 
 
-class StopFlag:
-    """SIGTERM / SIGINT (preemption, Ctrl-C): stop at the nearest safe point, quickly. A step not yet updating
-    is dropped (generation and scoring stop within a decode step or a response, the sampler and RNG rewind to
-    the step's start); a step already updating finishes. Then the last completed step's checkpoint is written
-    and the process exits 0. A second signal stops the reward workers and exits at once with 128 + the signal
-    number."""
-
-    def __init__(self, log, on_force_exit=lambda: None):
-        self.requested, self.log, self.on_force_exit, self.previous = False, log, on_force_exit, {}
-        self.signalled_at = None  # time.monotonic() of the first signal
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(self, signum, frame):
-        if self.requested:
-            self.log("second signal: exiting now without a checkpoint")
-            self.on_force_exit()
-            os._exit(128 + signum)
-        self.requested, self.signalled_at = True, time.monotonic()
-        self.log(f"signal {signal.Signals(signum).name}: stopping at the next safe point, then writing a "
-                 "checkpoint (send it again to exit now)")
-
-    def signalled(self) -> bool:
-        """Whether this rank got a signal (local: polled inside generation and scoring)."""
-        return self.requested
-
-    def agreed(self, dims) -> bool:
-        """True on every rank once any rank was signalled
-        (a collective: call it at the same point on all ranks)."""
-        return parallel.all_reduce_max(int(self.requested), dims) > 0
-
-    def seconds_since(self) -> float:
-        """Seconds since this rank's signal (0 on a rank stopped by another's)."""
-        if self.signalled_at is None:
-            return 0.0
-        return time.monotonic() - self.signalled_at
-
-    def restore(self):
-        for s, h in self.previous.items():
-            signal.signal(s, h)
-
-
 def read_metrics(path: str) -> list[dict]:
     """Rows of a metrics.jsonl; a partial line (a crash mid-write) is skipped with a warning."""
     rows = []
@@ -1527,28 +1440,11 @@ class Logger:
 # -----------------------------------------------------------------------------
 # command line: train, --dry_run
 
-def report_failure(e: Exception):
-    """One clear line for the run's failure: the `error:` line on the rank that failed first, a short line
-    naming it on the others (which fail after it, in a collective or with the same error)."""
-    rank = int(os.environ.get("RANK", "0"))
-    if parallel.is_peer_failure(e):
-        first = parallel.failed_rank()
-    else:
-        first = parallel.claim_failure(rank)
-    if first is None and parallel.is_peer_failure(e):
-        print(f"rank {rank}: stopped because another rank exited (killed, or out of memory?); its output "
-              "says why", file=sys.stderr)
-    elif first is None or first == rank:
-        print(f"error: {e}", file=sys.stderr)
-    else:
-        print(f"rank {rank}: stopped because rank {first} failed (its error is above)", file=sys.stderr)
-
-
 # exit codes: 0 done (or stopped by a signal after a checkpoint),
 # 2 bad input (config, data, model, checkpoint), 3 the run could not continue, 128 + N a second signal N
 EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
 BAD_INPUT = (ConfigError, data.DataError, reward.RewardError, FileNotFoundError)
-RUN_FAILED = (RunError, CheckpointError)
+RUN_FAILED = (RunError, CheckpointError, parallel.WaitTimeout)
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import checkpoint
 import data
+import parallel
 import train_dapo as T
 from conftest import ROOT, make_model_dir, run_metrics, torchrun_trainer, trainer_argv
 from tools import plot, prepare_data
@@ -477,7 +478,7 @@ def test_sigterm_while_dynamic_sampling_refills_forever_stops_promptly(tiny_dir,
     p.send_signal(signal.SIGTERM)
     rest = p.communicate(timeout=60)[0]
     assert p.returncode == 0, rest
-    assert "stopped by signal while refilling step 1" in rest
+    assert "stopped by signal during step 1, which is dropped" in rest
     assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")  # no step was finished
 
 
@@ -621,9 +622,8 @@ def test_readme_passes_overrides_to_torchrun_runs_after_a_double_dash():
 
 def test_watchdog_says_who_is_waited_for_then_stops_the_run():
     lines = []
-    cfg = T.Config(watchdog_log_s=0.05, watchdog_timeout_s=0.3)
-    watchdog = T.Watchdog("generator rank 3", cfg, lines.append)
-    with pytest.raises(T.RunError, match=r"waited 0 s for generator rank 3 .*watchdog_timeout_s=0.3: that rank"):
+    watchdog = parallel.Watchdog("generator rank 3", 0.05, 0.3, lines.append)
+    with pytest.raises(parallel.WaitTimeout, match=r"waited 0 s for generator rank 3 .*watchdog_timeout_s=0.3: that rank"):
         while True:
             watchdog()
             time.sleep(0.01)
@@ -631,12 +631,12 @@ def test_watchdog_says_who_is_waited_for_then_stops_the_run():
 
 
 def test_watchdog_ends_the_wait_at_a_stop_signal():
-    stop = T.StopFlag(lambda msg: None)
+    stop = parallel.StopFlag(lambda msg: None)
     try:
-        watchdog = T.Watchdog("generator rank 1", T.Config(), lambda msg: None, stop)
+        watchdog = parallel.Watchdog("generator rank 1", 60.0, 1800.0, lambda msg: None, stop)
         watchdog()  # no signal: keeps waiting
         stop.handler(signal.SIGTERM, None)
-        with pytest.raises(T.StopRequested):
+        with pytest.raises(parallel.StopRequested):
             watchdog()
     finally:
         stop.restore()
