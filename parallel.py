@@ -1,7 +1,8 @@
 """
 Devices and multi-device training: the device type (cuda, npu or cpu) and its process-group backend,
 autocast, RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP, Ulysses SP, EP, per-block
-compile and FSDP2 (bf16 compute over fp32 master weights); full weights in buckets for the rollout engine.
+compile and FSDP2 (bf16 compute over fp32 master weights); full weights in buckets for the rollout engine;
+across ranks, stop signals agreed on, watchdogs on waits, and one line when a rank fails.
 """
 import contextlib
 import datetime
