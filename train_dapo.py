@@ -1090,7 +1090,8 @@ def logprobs_for_update(run: Run, cfg: Config, batch: Trajectories, timing: dict
         if batch.old_logp is None and not old_logp_from_update(cfg):
             batch.old_logp = compute_logprobs(run.model, batch, cfg, run.dims)
     if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
-        metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp, batch.response_mask)
+        metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp,
+                                                         batch.response_mask)
     if cfg.rollout_rs_threshold > 0:
         keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
         metrics["rollout/rs_masked_frac"] = 1 - token_mean(keep, batch.response_mask)
