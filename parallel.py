@@ -508,6 +508,27 @@ def _recv_object(src: int):
     return pickle.loads(data.numpy().tobytes())
 
 
+def exchange_rows(held: dict, owner: list[int], needed: list[int], dims: ParallelDims) -> tuple[dict, int]:
+    """Rows of a table spread over the ranks, brought where they are used: this rank holds `held` (index ->
+    tensor), owner[i] is the rank that holds row i, and this rank needs the rows `needed`. Collective: the
+    ranks exchange the lists of indices they need (small), then each owner sends each rank only the rows it
+    asked for. -> (the rows received, index -> tensor; the bytes received)."""
+    wants = all_gather_objects(sorted(set(needed) - set(held)), dims)
+    sends = []
+    for rank, want in enumerate(wants):
+        rows = {i: held[i] for i in want if owner[i] == dims.rank}
+        if rank != dims.rank and rows:
+            sends += send_object(rows, rank)
+    received, nbytes = {}, 0
+    for rank in sorted({owner[i] for i in wants[dims.rank]}):
+        rows = recv_object(rank)
+        received.update(rows)
+        nbytes += sum(t.numel() * t.element_size() for t in rows.values())
+    for w in sends:
+        w.wait()
+    return received, nbytes
+
+
 def broadcast_buckets(buckets, group, device: torch.device):
     """Buckets of (name, full tensor) from the group's first rank, which passes them, to its other ranks,
     which pass None and iterate what this yields (per bucket: names and shapes, then one flat tensor). Every

@@ -325,7 +325,10 @@ class Trajectories:
     response_texts: list[str] | None = None  # decoded responses, as scored
     # [T] bool: the built-in verifier parsed an answer (None: a reward_fn)
     answer_found: torch.Tensor | None = None
-    routed_experts: list | None = None  # router replay: per trajectory [prompt + response - 1, layers, top_k]
+    # router replay: per trajectory [prompt + response - 1, layers, top_k], held by the rank that generated it
+    # (routing_owner) and by the ranks that fetched it to train on it (fetch_routing); None elsewhere
+    routed_experts: list | None = None
+    routing_owner: torch.Tensor | None = None  # [T] the rank that generated each trajectory
 
     def __len__(self):
         return len(self.response_ids)
@@ -459,9 +462,18 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
     if run.stop.agreed(dims):  # every rank at the same point, whether its share finished or not
         raise StopRequested
     mine = (traj, counts) if dims.rank % run.gen_tp == 0 else None  # the TP ranks of an engine hold copies
+    routing = None
+    if mine is not None and traj.routed_experts is not None:  # stays here: fetch_routing sends what is used
+        routing, traj.routed_experts = traj.routed_experts, None
+        traj.routing_owner = torch.full((len(traj),), dims.rank)
     parts = engine_results(parallel.all_gather_objects(mine, dims), run.gen_tp)
-    traj = concat_trajectories([t for t, _ in parts if len(t)], cfg.max_response_length)
-    return traj, {k: sum(c[k] for _, c in parts) for k in parts[0][1]}
+    out = concat_trajectories([t for t, _ in parts if len(t)], cfg.max_response_length)
+    if cfg.router_replay:
+        out.routed_experts = [None] * len(out)
+        if routing is not None:  # this rank's rows go where its engine's part starts
+            start = sum(len(t) for t, _ in parts[:dims.rank // run.gen_tp])
+            out.routed_experts[start:start + len(routing)] = routing
+    return out, {k: sum(c[k] for _, c in parts) for k in parts[0][1]}
 
 
 def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dict, counts: dict):
@@ -767,6 +779,27 @@ def micro_batches(traj: Trajectories, idx: list[int], count: int, token_budget: 
     return [[idx[j] for j in mb] for mb in split]
 
 
+def fetch_routing(traj: Trajectories, needed: list[int], dims) -> int:
+    """Router replay: bring the routing of trajectories `needed` to this rank from the ranks that generated
+    them (a collective: every rank calls it at the same point) -> the bytes received. Nothing to do without
+    router replay, or where every rank holds every row (routing_owner None)."""
+    if traj.routed_experts is None or traj.routing_owner is None:
+        return 0
+    held = {i: row for i, row in enumerate(traj.routed_experts) if row is not None}
+    rows, nbytes = parallel.exchange_rows(held, traj.routing_owner.tolist(), needed, dims)
+    for i, row in rows.items():
+        traj.routed_experts[i] = row
+    return nbytes
+
+
+def update_share(num_traj: int, mb_size: int, dims) -> list[int]:
+    """The trajectories this rank trains on in update_policy: its share of every mini-batch."""
+    mine = []
+    for start in range(0, num_traj, mb_size):
+        mine += rank_share(list(range(start, min(start + mb_size, num_traj))), dims)
+    return mine
+
+
 def rank_share(idx: list[int], dims) -> list[int]:
     """This data-parallel rank's contiguous slice of idx (ranks of one TP/SP group share data)."""
     per = len(idx) // dims.dp
@@ -785,6 +818,10 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
     routed = None
     # row t of a trajectory: the experts the engine sent its input token t to
     if traj.routed_experts is not None:
+        missing = [i for i in idx if traj.routed_experts[i] is None]
+        if missing:
+            raise RuntimeError(f"router replay: the routing of trajectories {missing[:5]} is not on this "
+                               "rank; fetch_routing brings it before the forwards that use it")
         routed = torch.cat([traj.routed_experts[i] for i in idx]).to(device)[None]
         if routed.shape[1] != ids.shape[1]:
             raise RuntimeError(f"router replay: {routed.shape[1]} routed tokens for "
@@ -811,6 +848,7 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tens
     if dims.dp > 1:  # pad to a multiple of dp with repeats so every rank runs the same forwards
         mine = rank_share(mine + mine[:(-len(mine)) % dims.dp], dims)
     out = torch.zeros_like(traj.response_mask, dtype=torch.float32)
+    fetch_routing(traj, mine, dims)
     for mb in micro_batches(traj, mine, cfg.log_prob_micro_batch_size_per_gpu, budget, dims):
         logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False)
         out[mb] = logp.float().cpu()
@@ -838,6 +876,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
     router_aux = cfg.router_aux_loss and model.config.num_experts > 0
     engine_logp = not traj.rollout_logp.isnan().any()  # the engine returned log-probs (NaN: not asked for)
     sums, grad_norms, skipped = {}, [], 0  # sums: this rank's share of each metric, 0-dim tensors on device
+    fetch_routing(traj, update_share(len(traj), mb_size, dims), dims)
     model.train()
     for _ in range(cfg.ppo_epochs):
         for start in range(0, len(traj), mb_size):

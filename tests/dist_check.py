@@ -11,6 +11,7 @@
   update_one            the same on one rank with a mesh of one (FSDP over one device, as on one GPU)
   bf16_one              a mesh of one computing in bf16 over fp32 master weights: one forward + backward
   save | load           a train_dapo-style checkpoint written / read at this world size
+  routing               router replay's rows fetched by each rank from the ranks that generated them
   ep2 | ep4 | ep2_fsdp | moe_fsdp | moe_tp | ep2_compile
                         a tiny Qwen3-MoE: expert parallel over 2 or 4 ranks (ep2_compile: ep2, blocks compiled;
                         ep2_fsdp: ep 2 on 4 ranks, experts FSDP-sharded over the other 2; moe_fsdp: FSDP only;
@@ -134,6 +135,30 @@ def replay_forward_backward(model):
     return {"logp": logp.detach(), "grads": grads}
 
 
+def routing_exchange(dims):
+    """24 trajectories whose routing rows were generated on ranks in an interleaved order (as dynamic sampling's
+    selection leaves them); every rank fetches the rows of its update share and of its log-prob share."""
+    import train_dapo as T
+    n, world = 24, dims.world_size
+    owner = torch.tensor([(7 * i) % world for i in range(n)])
+    full = [torch.full((3 + i % 5, 2, 2), i, dtype=torch.uint8) for i in range(n)]  # [tokens, layers, top_k]
+    traj = T.Trajectories(
+        prompt_ids=[[1]] * n, response_ids=[[1]] * n, group_ids=torch.arange(n) // 2, rollout_logp=torch.zeros(n, 1),
+        response_mask=torch.ones(n, 1), finish_reasons=["stop"] * n, data_sources=["x"] * n, acc=torch.zeros(n),
+        score=torch.zeros(n), seq_reward=torch.zeros(n), routing_owner=owner,
+        routed_experts=[row if owner[i] == dims.rank else None for i, row in enumerate(full)])
+    out = {}
+    for name, needed in (("update", T.update_share(n, 8, dims)), ("logprobs", T.rank_share(list(range(n)), dims))):
+        missing = {i for i in needed if traj.routed_experts[i] is None}  # fetched by an earlier call: kept
+        nbytes = T.fetch_routing(traj, needed, dims)
+        expected = sum(full[i].numel() for i in missing)
+        right = all(torch.equal(traj.routed_experts[i], full[i]) for i in needed)
+        out[name] = parallel.all_gather_objects((dims.rank, sorted(set(needed)), nbytes, expected, right), dims)
+        held = [i for i, row in enumerate(traj.routed_experts) if row is not None]
+        out[name + "_held"] = parallel.all_gather_objects(held, dims)
+    return out
+
+
 def full_params(model):
     out = {}
     for bucket in parallel.iter_full_weights(model, bucket_bytes=4096, dtype=torch.float32):
@@ -173,6 +198,8 @@ def main(mode, ckpt_dir, out):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: a wrong gradient scale would show
         T.update_policy(model, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg,
                         dims)
+    elif mode == "routing":  # router replay's rows: each rank receives only those it trains on
+        result.update(routing_exchange(dims))
     elif mode == "save":  # one step, then a checkpoint
         import train_dapo as T
         train_steps(model, opt, dims, steps=1)

@@ -166,3 +166,26 @@ def test_router_replay_routes_the_trainers_forward_as_the_engine_did(monkeypatch
     assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in trainer.model.layers)
     with pytest.raises(RuntimeError, match="3 routed tokens for"):  # rows that do not cover the inputs
         T.sequence_logprobs(trainer, replay_traj(prompts[:1], comps[:1], [routed[0][:3]]), [0], cfg, False)
+
+
+def test_the_trainer_replays_the_routing_it_generated(monkeypatch, moe_dir, tiny_dir, tmp_path):
+    """The loop with router_replay: the routing vLLM returned stays with the rank that generated it and reaches
+    every forward that trains or scores those trajectories (one process here; tests/test_parallel.py checks the
+    exchange over ranks)."""
+    import train_dapo as T
+    from conftest import tiny_train_config
+    fake_vllm.install(monkeypatch)
+    seen = []
+    forward = T.sequence_logprobs
+
+    def recording(model, traj, idx, cfg, with_entropy, router_loads=None):
+        seen.append(all(traj.routed_experts[i] is not None for i in idx))
+        return forward(model, traj, idx, cfg, with_entropy, router_loads)
+
+    monkeypatch.setattr(T, "sequence_logprobs", recording)
+    T.train(tiny_train_config(tiny_dir, tmp_path / "run", model_path=moe_dir, rollout_engine="vllm",
+                              router_replay=True, total_training_steps=2, save_freq=-1, val_files=[],
+                              filter_groups=False))  # a random model never answers: keep every group
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert len(seen) >= 4 and all(seen)  # old log-probs and updates of both steps, each with its routing

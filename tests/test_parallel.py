@@ -177,3 +177,24 @@ def test_mesh_of_one_computes_in_bf16_over_fp32_master_weights(model_dir, tmp_pa
     assert {g.dtype for g in got["grads"].values()} == {torch.float32}
     for name, g in got["grads"].items():
         assert torch.equal(g, want["grads"][name].float()), name
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_router_replay_rows_reach_only_the_ranks_that_train_on_them(model_dir, tmp_path, nproc):
+    """Routing stays on the rank that generated it; each rank receives exactly the rows of its own update and
+    log-prob shares that it does not hold, and every row it uses is the one generated."""
+    torchrun_dist_check(nproc, "routing", model_dir, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt")
+    for name in ("update", "logprobs"):
+        covered = set()
+        for rank, needed, nbytes, expected, right in out[name]:
+            assert right and nbytes == expected, (name, rank)
+            covered |= set(needed)
+        assert covered == set(range(24))  # between them the ranks use every trajectory
+        assert sum(nbytes for _, _, nbytes, _, _ in out[name]) < sum(
+            (3 + i % 5) * 4 for i in range(24))  # less than every rank receiving every row would be
+    for rank, held in enumerate(out["logprobs_held"]):  # generated here or fetched to be trained on here
+        generated = {i for i in range(24) if (7 * i) % nproc == rank}
+        used = set(out["update"][rank][1]) | set(out["logprobs"][rank][1])
+        assert set(held) == generated | used
