@@ -152,10 +152,16 @@ def complete_checkpoints(root: str) -> list[str]:
 
 
 def prune_checkpoints(root: str, keep_last: int, dims):
-    """Delete all but the newest keep_last complete checkpoints (call only after a new one is complete)."""
-    if dims.is_main and keep_last > 0:
-        for old in complete_checkpoints(root)[keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+    """Delete all but the newest keep_last complete checkpoints (call only after a new one is complete), and
+    the step_N.tmp directories that a killed run left half written (this run holds out_dir's lock: no other
+    writes there)."""
+    if dims.is_main:
+        for name in os.listdir(root):
+            if name.startswith("step_") and name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if keep_last > 0:
+            for old in complete_checkpoints(root)[keep_last:]:
+                shutil.rmtree(old, ignore_errors=True)
     parallel.barrier(dims)
 
 

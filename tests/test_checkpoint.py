@@ -174,5 +174,5 @@ def test_complete_checkpoints_newest_first_and_pruning(tmp_path):
     (tmp_path / "step_12").mkdir()  # no COMPLETE marker
     assert checkpoint.complete_checkpoints(str(tmp_path)) == [str(tmp_path / f"step_{s}") for s in (10, 2, 1)]
     checkpoint.prune_checkpoints(str(tmp_path), keep_last=2, dims=DIMS)
-    assert sorted(os.listdir(tmp_path)) == ["step_10", "step_11.tmp", "step_12", "step_2"]
+    assert sorted(os.listdir(tmp_path)) == ["step_10", "step_12", "step_2"]  # the interrupted write is gone too
     assert json.loads((tmp_path / "step_10" / "config.json").read_text())["hidden_size"] == 32

@@ -640,3 +640,11 @@ def test_watchdog_ends_the_wait_at_a_stop_signal():
             watchdog()
     finally:
         stop.restore()
+
+
+def test_a_half_written_checkpoint_of_a_killed_run_is_removed_after_the_next_one(tiny_dir, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_5.tmp" / "dcp").mkdir(parents=True)  # what a SIGKILL mid-write leaves
+    (run / "checkpoints" / "step_5.tmp" / "dcp" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, val_files=[])) == 0
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_1"]
