@@ -350,7 +350,7 @@ class Watchdog:
     signal. guarding(): the same lines and limit for a blocking call that cannot be polled (a collective),
     from a thread that ends the process at the limit."""
 
-    def __init__(self, waited_for: str, log_s: float, timeout_s: float, log, stop: "StopFlag | None" = None):
+    def __init__(self, waited_for: str, log_s: float, timeout_s: float, log, stop: StopFlag | None = None):
         self.waited_for, self.log, self.stop = waited_for, log, stop
         self.log_s, self.timeout_s = log_s, timeout_s
         self.start, self.since = time.monotonic(), time.strftime("%H:%M:%S")
@@ -658,6 +658,15 @@ def apply_compile(model, dynamic: bool | None = None):
     for block in model.model.layers:
         block.compile(dynamic=dynamic)
     model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy)
+
+
+def compile_enabled(setting: bool | str, device_type: str) -> bool:
+    """The compile knob on this device: "auto" = on a CUDA GPU (the policy is sharded there, a mesh of one on
+    one GPU); eager on the CPU (the demo's blocks are too small to gain) and on other accelerators (untested
+    with Inductor here)."""
+    if setting == "auto":
+        return device_type == "cuda"
+    return setting
 
 
 def compiled_graphs() -> int:

@@ -1188,7 +1188,7 @@ def setup(cfg: Config) -> Run:
         torch.set_num_threads(cfg.cpu_threads)
     parallel.seed_everything(cfg.seed)
     compute_dtype = torch.float32 if dims.device.type == "cpu" else getattr(torch, cfg.dtype)
-    compile_blocks = use_compile(cfg.compile, dims.device.type)
+    compile_blocks = parallel.compile_enabled(cfg.compile, dims.device.type)
     log = say if dims.is_main else (lambda msg: None)
     if dims.is_main:
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -1282,14 +1282,6 @@ def setup(cfg: Config) -> Run:
                sampler=sampler, scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype,
                log=log, model=model, ref_model=ref_model, optimizer=optimizer, scheduler=scheduler,
                total_steps=total_steps, out_dir_lock=out_dir_lock)
-
-
-def use_compile(setting: bool | str, device_type: str) -> bool:
-    """compile="auto": on a CUDA GPU (the policy is sharded there, a mesh of one on one GPU); eager on the
-    CPU (the demo's blocks are too small to gain) and on other accelerators (untested with Inductor here)."""
-    if setting == "auto":
-        return device_type == "cuda"
-    return setting
 
 
 def load_prompts(cfg: Config, tokenizer, files: list[str], max_samples: int) -> list[dict]:
