@@ -399,6 +399,11 @@ class Watchdog:
             thread.join()
 
 
+# exit codes of a rank that stops on an error: 2 bad input (config, data, model, checkpoint), 3 the run could not
+# continue (a watchdog's timeout included)
+EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
+
+
 def report_failure(e: Exception):
     """One clear line for the run's failure: the `error:` line on the rank that failed first, a short line
     naming it on the others (which fail after it, in a collective or with the same error)."""

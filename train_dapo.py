@@ -19,7 +19,6 @@ One training step, in the order this file reads:
  3. score them (verifier + overlong shaping)   7. ppo_epochs x mini-batches of clipped policy-gradient updates
  4. keep groups with reward variance, refill   8. metrics, validation, checkpoint
 """
-import contextlib
 import functools
 import itertools
 import json
@@ -43,9 +42,10 @@ from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
 from hf import from_pretrained
 from model import load_balancing_loss, pack_sequences
-from parallel import StopFlag, StopRequested, Watchdog, report_failure
-from rollout import (GenerationStopped, SamplingParams, TorchEngine, VLLMEngine, engine_results, engine_share,
-                     resolve_engine)
+from parallel import StopFlag, StopRequested, report_failure
+from async_rollout import RolloutQueue, gen_batches_ahead, serve_rollouts
+from rollout import (GenerationStopped, SamplingParams, TorchEngine, Trajectories, VLLMEngine,
+                     concat_trajectories, engine_results, generate_share, resolve_engine, timed)
 
 # -----------------------------------------------------------------------------
 # config: every knob, verl's names (prompts are counted globally, over all ranks)
@@ -289,6 +289,9 @@ def rollout_rejection_mask(old_logp, rollout_logp, threshold: float):
     return ((old_logp - rollout_logp).abs() <= math.log(threshold)).float()
 
 
+ASYNC_TIS_CAP = 2.0
+
+
 def tis_cap(cfg) -> float:
     """tis_imp_ratio_cap; in async mode, left off (-1), ASYNC_TIS_CAP:
     stale rollouts always need the correction."""
@@ -302,70 +305,6 @@ def logp_mismatch(trainer_logp, rollout_logp, mask):
 
 
 # -----------------------------------------------------------------------------
-# a batch of trajectories
-
-@dataclass
-class Trajectories:
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    group_ids: torch.Tensor  # [T] index of the prompt group
-    rollout_logp: torch.Tensor  # [T, R] sampled-token log-probs from the engine
-    response_mask: torch.Tensor  # [T, R] 1 on response tokens
-    finish_reasons: list[str]
-    data_sources: list[str]
-    acc: torch.Tensor  # [T] verifier accuracy
-    score: torch.Tensor  # [T] verifier score
-    seq_reward: torch.Tensor  # [T] score + overlong penalty
-    # [T] seq_reward - kl_coef * KL (use_kl_in_reward), else seq_reward
-    seq_final_reward: torch.Tensor | None = None
-    versions: torch.Tensor | None = None  # [T] the policy version whose weights generated each trajectory
-    old_logp: torch.Tensor | None = None
-    ref_logp: torch.Tensor | None = None
-    adv: torch.Tensor | None = None
-    response_texts: list[str] | None = None  # decoded responses, as scored
-    # [T] bool: the built-in verifier parsed an answer (None: a reward_fn)
-    answer_found: torch.Tensor | None = None
-    # router replay: per trajectory [prompt + response - 1, layers, top_k], held by the rank that generated it
-    # (routing_owner) and by the ranks that fetched it to train on it (fetch_routing); None elsewhere
-    routed_experts: list | None = None
-    routing_owner: torch.Tensor | None = None  # [T] the rank that generated each trajectory
-
-    def __len__(self):
-        return len(self.response_ids)
-
-    def select(self, idx: list[int]) -> "Trajectories":
-        """The trajectories at positions idx, in that order (every per-trajectory field; None stays None)."""
-        rows = torch.tensor(idx, dtype=torch.long)
-        picked = {}
-        for name, value in self.__dict__.items():
-            if isinstance(value, torch.Tensor):
-                picked[name] = value[rows]
-            elif isinstance(value, list):
-                picked[name] = [value[i] for i in idx]
-            else:
-                picked[name] = value
-        return Trajectories(**picked)
-
-    def total_tokens(self) -> int:
-        return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
-
-
-def concat_trajectories(parts: list[Trajectories], R: int) -> Trajectories:
-    out = {}
-    for k in parts[0].__dict__:
-        vals = [getattr(p, k) for p in parts]
-        if vals[0] is None:
-            out[k] = None
-        elif isinstance(vals[0], list):
-            out[k] = [x for v in vals for x in v]
-        elif vals[0].dim() == 2:
-            out[k] = torch.cat([torch.nn.functional.pad(v, (0, R - v.shape[1])) for v in vals])
-        else:
-            out[k] = torch.cat(vals)
-    return Trajectories(**out)
-
-
-# -----------------------------------------------------------------------------
 # steps 1-3: rollout and reward
 
 def sync_weights(engine, model, version: int, cfg: Config, dtype: torch.dtype):
@@ -375,58 +314,6 @@ def sync_weights(engine, model, version: int, cfg: Config, dtype: torch.dtype):
     elif engine.weights_version != version:
         engine.load_weights(
             parallel.iter_full_weights(model, cfg.weight_sync_bucket_mb * 2**20, dtype=dtype), version)
-
-
-def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: SamplingParams, cfg: Config, *,
-                       group_offset: int, version: int, timing: dict,
-                       should_stop=None) -> tuple[Trajectories, dict]:
-    """Generate params.n responses per prompt on this engine and score them -> (Trajectories, reward counts).
-    should_stop() True (a stop signal) abandons both: GenerationStopped or reward.ScoringStopped."""
-    with timed("gen", timing):
-        outputs = engine.generate([p["prompt_ids"] for p in prompts], params, version=version,
-                                  should_stop=should_stop)
-    comps = [(p, c) for p, cs in zip(prompts, outputs) for c in cs]
-    with timed("reward", timing):
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in comps]
-        eos = tokenizer.special.get("eos_token")
-        # a trailing EOS is not the answer
-        texts = [t[:-len(eos)] if eos and t.endswith(eos) else t for t in texts]
-        results, counts = scorer.score([(p["data_source"], t, p["ground_truth"], p["extra_info"])
-                                        for (p, _), t in zip(comps, texts)], should_stop=should_stop)
-    rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
-    mask = torch.zeros_like(rollout_logp)
-    for i, (_, c) in enumerate(comps):
-        rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs) if c.logprobs is not None else math.nan
-        mask[i, :len(c.token_ids)] = 1
-    score = torch.tensor([r["score"] for r in results], dtype=torch.float32)
-    answer_found = None  # a custom reward_fn need not say whether it found an answer
-    if cfg.reward_fn is None:
-        answer_found = torch.tensor([r["pred"] is not None for r in results])
-    overlong = [reward.overlong_penalty(len(c.token_ids), cfg.max_response_length, cfg.overlong_buffer_len,
-                                        cfg.overlong_penalty_factor) if cfg.overlong_buffer else 0.0
-                for _, c in comps]
-    traj = Trajectories(
-        prompt_ids=[p["prompt_ids"] for p, _ in comps], response_ids=[c.token_ids for _, c in comps],
-        group_ids=torch.arange(len(prompts)).repeat_interleave(params.n) + group_offset,
-        rollout_logp=rollout_logp, response_mask=mask, finish_reasons=[c.finish_reason for _, c in comps],
-        data_sources=[p["data_source"] for p, _ in comps],
-        acc=torch.tensor([float(r["acc"]) for r in results]), score=score,
-        seq_reward=score + torch.tensor(overlong), response_texts=texts,
-        versions=torch.full((len(comps),), version), answer_found=answer_found,
-        routed_experts=[c.routed_experts for _, c in comps] if cfg.router_replay else None)
-    return traj, counts
-
-
-def generate_share(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams, engine: int,
-                   engines: int, *, version: int, group_offset: int,
-                   timing: dict) -> tuple[Trajectories, dict]:
-    """Engine `engine` of `engines` generates and scores its slice of the prompts, seeded apart from the
-    others; a stop signal abandons it (GenerationStopped, reward.ScoringStopped)."""
-    _, lo, hi = engine_share(len(prompts), engines, 1, engine)
-    params = SamplingParams(**{**params.__dict__, "seed": params.seed + 100003 * engine})
-    return generate_and_score(run.engine, run.tokenizer, run.scorer, prompts[lo:hi], params, cfg,
-                              group_offset=group_offset + lo, version=version, timing=timing,
-                              should_stop=run.stop.signalled)
 
 
 def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
@@ -501,173 +388,6 @@ def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dic
             kl = token_kl(traj.old_logp, traj.ref_logp, cfg.kl_penalty)
             traj.seq_final_reward = traj.seq_reward - cfg.kl_coef * (kl * traj.response_mask).sum(-1)
         yield traj
-
-
-# -----------------------------------------------------------------------------
-# steps 1-3, asynchronous (rollout_gpus > 0): the last ranks generate while the others train. Trainer rank 0
-# asks for gen batches ahead (prompt indices from its sampler, sampling params, the policy version, that
-# version's weights if the generators hold older ones); each generator generates and scores its share and
-# sends it back, in the order asked.
-
-ASYNC_TIS_CAP = 2.0
-
-
-@dataclass
-class Request:
-    """One gen batch asked of the generators (None stops them)."""
-    indices: list[int]  # prompt indices into the train (or val) prompts
-    params: SamplingParams
-    version: int  # the policy version that generates it
-    val: bool = False
-    weights: bool = False  # that version's weights follow (parallel.broadcast_buckets)
-
-
-STOPPED = "stopped"  # a generator's reply to a request it dropped for a stop signal
-
-
-def watchdog_for(waited_for: str, cfg: Config, log, stop: StopFlag | None = None) -> Watchdog:
-    """A Watchdog with the config's watchdog_log_s and watchdog_timeout_s."""
-    return Watchdog(waited_for, cfg.watchdog_log_s, cfg.watchdog_timeout_s, log, stop)
-
-
-class RolloutQueue:
-    """The trainer ranks' side. pending: gen batches asked and not yet trained on, oldest first, each with the
-    sampler state from before its prompts were drawn (a checkpoint saves the oldest's, so a resumed run
-    asks again for them) and the replies received so far, one per generator."""
-
-    def __init__(self, run: "Run", cfg: Config, version: int):
-        self.run, self.cfg, self.pending, self.sends = run, cfg, [], []
-        self.generators = range(run.dims.world_size, run.dims.world_size + cfg.rollout_gpus)
-        # the generators' weights version: model_path's at a fresh start
-        self.held = 0 if version == 0 else None
-        self.asked = (version, 0)  # (version, gen batches asked with it): their seeds
-
-    def ask(self, indices: list[int], params: SamplingParams, version: int, timing: dict,
-            sampler_state: dict | None, val: bool = False) -> dict:
-        """Rank 0 sends a request, then (when the generators hold older weights) the trainer ranks gather the
-        full weights and rank 0 broadcasts them to the generators, which load them before generating.
-        -> its entry"""
-        dims = self.run.dims
-        req = Request(indices, params, version, val, weights=self.held != version)
-        if dims.is_main:
-            self.sends = [w for w in self.sends if not w.is_completed()]
-            for g in self.generators:
-                self.sends += parallel.send_object(req, g)
-        if req.weights:
-            ranks = ", ".join(map(str, self.generators))
-            watchdog = watchdog_for(f"generator rank(s) {ranks} to take the weights", self.cfg, self.run.log)
-            guard = watchdog.guarding(EXIT_RUN_FAILED, on_timeout=self.run.scorer.kill)
-            with timed("weight_transfer", timing), guard:
-                buckets = parallel.iter_full_weights(self.run.model, self.cfg.weight_sync_bucket_mb * 2**20,
-                                                     dtype=self.run.compute_dtype)
-                if dims.is_main:
-                    sent = parallel.broadcast_buckets(buckets, dims.rollout_group, dims.device)
-                else:
-                    sent = buckets
-                # rank 0 broadcasts; the other trainer ranks take part in gathering every bucket
-                for _ in sent:
-                    pass
-            self.held = version
-        self.pending.append({"request": req, "sampler_state": sampler_state, "replies": {}})
-        return self.pending[-1]
-
-    def ask_gen_batch(self, version: int, timing: dict):
-        """Draw gen_batch_size prompts and ask for a gen batch of them with `version`'s weights."""
-        r = self.asked[1] + 1 if self.asked[0] == version else 1
-        self.asked = (version, r)
-        state = self.run.sampler.state_dict()
-        self.ask(self.run.sampler.next_indices(self.cfg.gen_batch_size),
-                 train_params(self.cfg, self.run.tokenizer, self.cfg.seed + 1000 * version + r),
-                 version, timing, state)
-
-    def receive(self, entry: dict, stop: StopFlag | None):
-        """Rank 0: receive replies until every generator's reply to entry is in. A generator answers in the
-        order asked, so its next reply belongs to the oldest entry still without one from it. The watchdog
-        says who is waited for; with `stop`, a stop signal ends the wait (StopRequested)."""
-        for g in self.generators:
-            while g not in entry["replies"]:
-                oldest = next(e for e in self.pending if g not in e["replies"])
-                watchdog = watchdog_for(f"generator rank {g}", self.cfg, self.run.log, stop)
-                oldest["replies"][g] = parallel.recv_object(g, poll=watchdog)
-
-    def take(self, entry: dict, timing: dict) -> tuple[Trajectories, dict]:
-        """Wait for entry's gen batch and drop it from pending -> (trajectories, reward counts) on every
-        trainer rank. StopRequested on every trainer rank when rank 0 got a stop signal while waiting or a
-        generator dropped the gen batch for one."""
-        with timed("gen_wait", timing):
-            replies = STOPPED
-            if self.run.dims.is_main:
-                with contextlib.suppress(StopRequested):
-                    self.receive(entry, stop=self.run.stop)
-                    replies = [entry["replies"][g] for g in self.generators]
-            replies = parallel.all_gather_objects(replies, self.run.dims)[0]  # rank 0's
-        if replies == STOPPED or any(r == STOPPED for r in replies):
-            raise StopRequested
-        self.pending.remove(entry)
-        for k, v in replies[0][2].items():  # the first generator's gen and reward times
-            timing[k] = timing.get(k, 0.0) + v
-        traj = concat_trajectories([t for t, _, _ in replies if len(t)], self.cfg.max_response_length)
-        return traj, {k: sum(c[k] for _, c, _ in replies) for k in replies[0][1]}
-
-    def close(self):
-        """Stop the generators after the gen batches still asked (received and dropped), wait for every send,
-        forget what was pending."""
-        if self.run.dims.is_main:
-            for g in self.generators:
-                self.sends += parallel.send_object(None, g)
-            for e in self.pending:
-                self.receive(e, stop=None)
-            for w in self.sends:
-                w.wait()
-        self.generators, self.sends, self.pending = (), [], []
-
-
-def gen_batches_ahead(cfg: Config, step: int, total_steps: int) -> int:
-    """Gen batches to have asked for while `step` trains: max_staleness (each step takes at least the oldest,
-    so none is older than that when trained on), but none still out at a checkpoint, which a resumed run would
-    have to generate again with newer weights than the uninterrupted run used."""
-    if cfg.save_freq <= 0:
-        checkpoint = total_steps
-    else:
-        checkpoint = min(total_steps, -(-step // cfg.save_freq) * cfg.save_freq)
-    return min(cfg.max_staleness, checkpoint - step)
-
-
-def serve_rollouts(run: "Run", cfg: Config):
-    """A generator rank: until told to stop, take the next request from trainer rank 0, load the weights that
-    come with it (between gen batches, never during one), generate and score this rank's share and send it
-    back. After a stop signal it answers STOPPED without generating; trainer rank 0 decides the stop."""
-    dims, sends = run.dims, []
-    run.stop = StopFlag(lambda msg: None)
-
-    def log(msg: str):  # the first generator speaks for all of them
-        if dims.rank == dims.world_size:
-            say(f"generator rank {dims.rank}: {msg}")
-
-    waiting = functools.partial(watchdog_for, "trainer rank 0 (its next request)", cfg, log)
-    while (req := parallel.recv_object(0, poll=waiting())) is not None:
-        if req.weights:  # taken even when stopping: the broadcast is collective
-            watchdog = watchdog_for("trainer rank 0 to send the weights", cfg, log)
-            with watchdog.guarding(EXIT_RUN_FAILED, on_timeout=run.scorer.kill):
-                run.engine.load_weights(parallel.broadcast_buckets(None, dims.rollout_group, dims.device),
-                                        req.version)
-        reply = STOPPED
-        if not run.stop.signalled():
-            timing = {}
-            try:
-                traj, counts = generate_share(
-                    run, cfg, [(run.val_prompts if req.val else run.train_prompts)[i] for i in req.indices],
-                    req.params, dims.rank - dims.world_size, cfg.rollout_gpus, version=req.version,
-                    group_offset=0, timing=timing)
-                reply = (traj, counts, timing)
-            except (GenerationStopped, reward.ScoringStopped):
-                pass
-        sends = [w for w in sends if not w.is_completed()] + parallel.send_object(reply, 0)
-    for w in sends:
-        w.wait()
-    run.scorer.close()
-    run.stop.restore()
-    parallel.shutdown()
 
 
 # -----------------------------------------------------------------------------
@@ -971,14 +691,6 @@ def make_scheduler(optimizer, cfg: Config, total_optimizer_steps: int):
 # -----------------------------------------------------------------------------
 # the loop
 
-@contextlib.contextmanager
-def timed(name: str, timing: dict):
-    """Add the block's wall time to timing[name]."""
-    t0 = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
-
-
 @dataclass
 class Run:
     """What setup() builds once; the loop reads it.
@@ -1016,7 +728,9 @@ def train(cfg: Config):
         return serve_rollouts(run, cfg)
     model, optimizer, scheduler, dims, log = run.model, run.optimizer, run.scheduler, run.dims, run.log
     step = restore(cfg, run)
-    run.rollouts = RolloutQueue(run, cfg, step) if cfg.rollout_gpus else None
+    run.rollouts = None  # async mode: gen batches asked of the generator ranks
+    if cfg.rollout_gpus:
+        run.rollouts = RolloutQueue(run, cfg, step, train_params(cfg, run.tokenizer, seed=None))
     logger = Logger(cfg, resumed_step=step) if dims.is_main else None
     run.stop = stop = StopFlag(log, on_force_exit=run.scorer.kill)
     bar = tqdm(total=run.total_steps, initial=step, desc="steps", dynamic_ncols=True,
@@ -1472,9 +1186,8 @@ class Logger:
 # -----------------------------------------------------------------------------
 # command line: train, --dry_run
 
-# exit codes: 0 done (or stopped by a signal after a checkpoint),
-# 2 bad input (config, data, model, checkpoint), 3 the run could not continue, 128 + N a second signal N
-EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
+# exit codes: 0 done (or stopped by a signal after a checkpoint), parallel.EXIT_BAD_INPUT,
+# parallel.EXIT_RUN_FAILED, 128 + N a second signal N
 BAD_INPUT = (ConfigError, data.DataError, reward.RewardError, FileNotFoundError)
 RUN_FAILED = (RunError, CheckpointError, parallel.WaitTimeout)
 
@@ -1488,12 +1201,12 @@ def main(argv: list[str]) -> int:
         train(cfg)
     except BAD_INPUT + RUN_FAILED as e:
         report_failure(e)
-        return EXIT_RUN_FAILED if isinstance(e, RUN_FAILED) else EXIT_BAD_INPUT
+        return parallel.EXIT_RUN_FAILED if isinstance(e, RUN_FAILED) else parallel.EXIT_BAD_INPUT
     except Exception as e:
         if not parallel.is_peer_failure(e):
             raise
         report_failure(e)  # another rank stopped first: it said why
-        return EXIT_RUN_FAILED
+        return parallel.EXIT_RUN_FAILED
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
         print(f"plot them: python tools/plot.py {cfg.out_dir}")

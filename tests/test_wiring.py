@@ -16,6 +16,7 @@ import torch
 import hf
 import model as M
 import parallel
+import rollout
 import reference as ref
 import train_dapo as T
 from conftest import random_batch
@@ -217,14 +218,14 @@ ENGINE_SHIFT = [0.0, 0.3, -1.0, -0.4, 1.5]  # engine minus trainer log-prob; |sh
 
 def skew_engine_logprobs(monkeypatch):
     """An engine whose log-probs differ from the trainer's by ENGINE_SHIFT (as other kernels or dtypes do)."""
-    real = T.generate_and_score
+    real = rollout.generate_and_score
 
     def skewed(*args, **kwargs):
         traj, counts = real(*args, **kwargs)
         traj.rollout_logp = traj.rollout_logp + per_token(ENGINE_SHIFT, traj.response_mask).float()
         return traj, counts
 
-    monkeypatch.setattr(T, "generate_and_score", skewed)
+    monkeypatch.setattr(rollout, "generate_and_score", skewed)
 
 
 def demo_cfg(out_dir, **over) -> T.Config:
