@@ -104,7 +104,7 @@ def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims, expo
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"),
-                     no_dist=not dist.is_initialized(), process_group=dims.group)
+                     no_dist=not dist.is_initialized())
             rngs = parallel.all_gather_objects(parallel.rng_state(dims.device), dims)
             if export is not None:
                 export(tmp)
@@ -268,8 +268,7 @@ def load_checkpoint(path: str, model, optimizer, dims) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sharded = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(sharded, checkpoint_id=os.path.join(path, "dcp"), no_dist=not dist.is_initialized(),
-                 process_group=dims.group)
+        dcp.load(sharded, checkpoint_id=os.path.join(path, "dcp"), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(path, f"dcp: {_one_line(e)}") from e
     set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])

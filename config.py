@@ -238,10 +238,14 @@ def check_batch_and_mesh(cfg, world_size: int):
             raise ConfigError(f"rollout_gpus={cfg.rollout_gpus} must be < the world size {world_size} "
                               "(torchrun's ranks): the first ranks train, the last rollout_gpus generate; "
                               "launch more ranks, or rollout_gpus=0 (colocated)")
-        if cfg.rollout_engine == "vllm" or cfg.gen_tp != 1:
-            raise ConfigError("rollout_gpus > 0 generates with the built-in engine, one per generator rank "
-                              "(vLLM there is not supported yet): set rollout_engine='torch' or 'auto' and "
-                              "gen_tp=1, or rollout_gpus=0")
+        if cfg.rollout_gpus % cfg.gen_tp:
+            raise ConfigError(f"gen_tp={cfg.gen_tp} must divide rollout_gpus={cfg.rollout_gpus}: the "
+                              "generator ranks form vLLM engines of gen_tp ranks each")
+        if cfg.router_replay:
+            raise ConfigError("router_replay=True is not supported with rollout_gpus > 0 yet (the routing "
+                              "would have to travel from the generators, and a response that partial rollout "
+                              "continues mixes two versions' routing): set router_replay=False, or "
+                              "rollout_gpus=0")
     trainer_ranks = world_size - cfg.rollout_gpus  # the mesh rules apply to them
     try:
         dp = parallel.check_mesh(trainer_ranks, cfg.tp_size, cfg.sp_size, ep_size=cfg.ep_size)
@@ -275,7 +279,7 @@ def check_batch_and_mesh(cfg, world_size: int):
     if cfg.gen_tp != 1 and cfg.rollout_engine == "torch":
         raise ConfigError(f"gen_tp={cfg.gen_tp} needs rollout_engine='vllm' (the built-in engine generates "
                           "on one GPU per rank)")
-    if trainer_ranks % cfg.gen_tp:
+    if not cfg.rollout_gpus and trainer_ranks % cfg.gen_tp:
         raise ConfigError(f"gen_tp={cfg.gen_tp} must divide the world size {trainer_ranks} "
                           "(world_size / gen_tp vLLM engines)")
 

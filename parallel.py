@@ -145,7 +145,8 @@ class ParallelDims:
     ranks of one TP index. ep (tp = 1): groups of ep consecutive fsdp ranks split each MoE layer's experts,
     whose weights FSDP shards over the efsdp_size = fsdp_size / ep ranks of the same ep_rank. Asynchronous
     rollout: world_size counts the trainer ranks, the first of torchrun's; the ranks after them only generate
-    (is_generator)."""
+    (is_generator). Then each side has a process group of its own (async_process_groups), and trainer rank 0
+    and the generators talk over `bridge`."""
     world_size: int
     rank: int
     local_rank: int
@@ -156,8 +157,8 @@ class ParallelDims:
     mesh: object = None  # DeviceMesh ("dp", "sp", "tp") when sharded
     fsdp_mesh: object = None  # its ("dp", "sp") dimensions flattened: the ranks FSDP shards over
     expert_mesh: object = None  # DeviceMesh ("efsdp", "ep") over the same ranks, when ep > 1
-    group: object = None  # the trainer ranks' process group (None: the whole world)
-    rollout_group: object = None  # trainer rank 0 + the generator ranks (asynchronous rollout)
+    bridge: object = None  # asynchronous rollout: async_rollout.Bridge (trainer rank 0 + the generator ranks)
+    engine_group: object = None  # asynchronous rollout, a generator rank: the ranks of its vLLM engine
 
     def __post_init__(self):
         check_mesh(self.world_size, self.tp, self.sp, ep_size=self.ep)
@@ -202,11 +203,13 @@ class ParallelDims:
 
 
 def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1, rollout: int = 0,
-                     mesh_of_one: bool | None = None, timeout_s: float | None = None) -> ParallelDims:
+                     mesh_of_one: bool | None = None, timeout_s: float | None = None,
+                     gen_tp: int = 1) -> ParallelDims:
     """This rank's ParallelDims from torchrun's environment (plain python: one rank), checked before any
     process group or device is set up. rollout > 0: the last rollout ranks only generate; the mesh spans the
-    others. mesh_of_one: whether one trainer rank gets a mesh (FSDP) too; None = on an accelerator, not on a
-    CPU. timeout_s: how long a collective may wait for the other ranks (None: torch's default).
+    others (async_process_groups). mesh_of_one: whether one trainer rank gets a mesh (FSDP) too; None = on
+    an accelerator, not on a CPU. timeout_s: how long a collective may wait for the other ranks (None:
+    torch's default). gen_tp: ranks per generator engine (asynchronous rollout with vLLM).
     """
     total = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -219,12 +222,11 @@ def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1
         torch.get_device_module(kind).set_device(local_rank)
     if mesh_of_one is None:  # the default: a mesh on an accelerator, none on a CPU
         mesh_of_one = kind != "cpu"
-    sharded = world > 1 or mesh_of_one
-    if total > 1 or sharded:
-        init_process_group(kind, timeout_s)
+    sharded = (world > 1 or mesh_of_one) and not dims.is_generator
     if rollout:
-        dims.group = dist.new_group(list(range(world)))
-        dims.rollout_group = dist.new_group([0, *range(world, total)])
+        async_process_groups(dims, rollout, gen_tp, kind, timeout_s)
+    elif total > 1 or sharded:
+        init_process_group(kind, timeout_s)
     if sharded:
         dims.mesh = DeviceMesh(kind, torch.arange(world).view(dims.dp, sp, tp),
                                mesh_dim_names=("dp", "sp", "tp"))
@@ -233,6 +235,51 @@ def init_distributed(device: str = "auto", tp: int = 1, sp: int = 1, ep: int = 1
             dims.expert_mesh = DeviceMesh(kind, torch.arange(world).view(dims.efsdp_size, ep),
                                           mesh_dim_names=("efsdp", "ep"))
     return dims
+
+
+def torchrun_rank() -> int:
+    """This process's rank in torchrun's world (a generator's RANK is rewritten for vLLM:
+    async_process_groups)."""
+    return int(os.environ.get("NANODAPO_RANK", os.environ.get("RANK", "0")))
+
+
+_shared_store = None  # asynchronous rollout: torchrun's store, which both sides' ranks reach
+
+
+def shared_store():
+    """torchrun's store, which every rank reaches (asynchronous rollout), or None."""
+    return _shared_store
+
+
+def async_process_groups(dims: ParallelDims, rollout: int, gen_tp: int, kind: str, timeout_s: float | None):
+    """Asynchronous rollout: two worlds in one torchrun launch. The trainer ranks' process group is theirs
+    alone, and so is the generators' (vLLM's external launcher builds its groups over every rank of the
+    process group it finds, so it must find only generators; RANK and WORLD_SIZE are rewritten for it).
+    Trainer rank 0 and the generators then form async_rollout.Bridge. All meet through torchrun's store
+    (shared_store)."""
+    global _shared_store
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError("rollout_gpus > 0 needs torchrun (it gives every rank MASTER_ADDR, MASTER_PORT, "
+                           "RANK and WORLD_SIZE)")
+    timeout = datetime.timedelta(seconds=timeout_s or 1800)
+    # torchrun's agent hosts the store; without it (a launcher of one's own), global rank 0 does
+    host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and dims.rank == 0
+    _shared_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=host, timeout=timeout)
+    if dims.is_generator:
+        side, side_rank, side_size = "generators", dims.rank - dims.world_size, rollout
+        # what vLLM reads; torchrun's RANK stays in NANODAPO_RANK (torchrun_rank)
+        os.environ.update(NANODAPO_RANK=os.environ["RANK"], RANK=str(side_rank), WORLD_SIZE=str(side_size))
+    else:
+        side, side_rank, side_size = "trainers", dims.rank, dims.world_size
+    store = dist.PrefixStore(f"nanodapo/{side}", _shared_store)
+    dist.init_process_group(process_group_backend(kind), store=store, rank=side_rank, world_size=side_size,
+                            timeout=timeout)
+    if dims.is_generator and gen_tp > 1:  # every generator creates every engine's group, in order
+        for first in range(0, rollout, gen_tp):
+            group = dist.new_group(list(range(first, first + gen_tp)))
+            if first <= side_rank < first + gen_tp:
+                dims.engine_group = group
 
 
 def init_process_group(kind: str, timeout_s: float | None = None):
@@ -255,6 +302,8 @@ FAILED_RANK_KEY = "nanodapo/failed_rank"
 
 def _launcher_store():
     """The key-value store of the process group (torchrun's, which outlives any one rank), or None."""
+    if _shared_store is not None:  # asynchronous rollout: one store for both sides' ranks
+        return _shared_store
     if not dist.is_initialized():
         return None
     return dist.distributed_c10d._get_default_store()  # private, but the only handle on the group's store
@@ -399,15 +448,15 @@ class Watchdog:
             thread.join()
 
 
-# exit codes of a rank that stops on an error: 2 bad input (config, data, model, checkpoint), 3 the run could not
-# continue (a watchdog's timeout included)
+# exit codes of a rank that stops on an error: 2 bad input (config, data, model, checkpoint), 3 the run could
+# not continue (a watchdog's timeout included)
 EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3
 
 
 def report_failure(e: Exception):
     """One clear line for the run's failure: the `error:` line on the rank that failed first, a short line
     naming it on the others (which fail after it, in a collective or with the same error)."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = torchrun_rank()
     if is_peer_failure(e):
         first = failed_rank()
     else:
@@ -432,7 +481,7 @@ def all_gather_objects(obj, dims: ParallelDims) -> list:
     if dims.world_size == 1:
         return [obj]
     out = [None] * dims.world_size
-    dist.all_gather_object(out, obj, group=dims.group)
+    dist.all_gather_object(out, obj)
     return out
 
 
@@ -451,13 +500,13 @@ def all_reduce_max(value: int, dims: ParallelDims) -> int:
     if dims.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dims.group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
 def barrier(dims: ParallelDims):
     if dims.world_size > 1:
-        dist.barrier(group=dims.group)
+        dist.barrier()
 
 
 def send_object(obj, dst: int) -> list:
@@ -468,41 +517,49 @@ def send_object(obj, dst: int) -> list:
 
 
 class _Receiver(threading.Thread):
-    """recv_object's blocking receive on a thread of its own, so that the caller can poll while it waits (a
-    gloo receive is only complete once waited on)."""
+    """A blocking receive on a thread of its own, so that the caller can poll while it waits (a gloo receive
+    is only complete once waited on)."""
 
-    def __init__(self, src: int):
+    def __init__(self, receive):
         super().__init__(daemon=True)
-        self.src, self.result, self.error = src, None, None
+        self.receive, self.result, self.error = receive, None, None
         self.start()
 
     def run(self):
         try:
-            self.result = _recv_object(self.src)
+            self.result = self.receive()
         except BaseException as e:  # handed to the caller's thread
             self.error = e
 
 
-_receivers = {}  # src -> a _Receiver whose caller stopped waiting: the next recv_object(src) takes its object
+_receivers = {}  # (group, src) -> a _Receiver whose caller stopped waiting: the next receive takes its object
+NOT_YET = object()  # what a receive with wait=False returns while nothing has arrived
 
 
-def recv_object(src: int, poll=None, poll_s: float = 0.1):
-    """The next object that rank src sent with send_object. poll(), if given, is called every poll_s seconds
-    while it has not arrived; it may raise to stop waiting (the receive goes on, and the next call for src
-    takes its object: none is lost or read twice)."""
-    if poll is None and src not in _receivers:
-        return _recv_object(src)
-    if src not in _receivers:
-        _receivers[src] = _Receiver(src)
-    receiver = _receivers[src]
+def receive(key, receive_fn, poll=None, poll_s: float = 0.1, wait: bool = True):
+    """receive_fn()'s object, on a _Receiver thread when the caller polls while waiting (poll() every poll_s
+    seconds; it may raise to stop waiting) or does not wait (NOT_YET until it arrives). A receive left
+    running is taken by the next call for the same key: none is lost or read twice."""
+    if poll is None and wait and key not in _receivers:
+        return receive_fn()
+    if key not in _receivers:
+        _receivers[key] = _Receiver(receive_fn)
+    receiver = _receivers[key]
     while receiver.is_alive():
+        if not wait:
+            return NOT_YET
         if poll is not None:
             poll()
         receiver.join(poll_s)
-    del _receivers[src]
+    del _receivers[key]
     if receiver.error is not None:
         raise receiver.error
     return receiver.result
+
+
+def recv_object(src: int, poll=None, poll_s: float = 0.1):
+    """The next object that rank src sent with send_object; poll as in receive."""
+    return receive(("world", src), lambda: _recv_object(src), poll, poll_s)
 
 
 def _recv_object(src: int):
@@ -532,34 +589,6 @@ def exchange_rows(held: dict, owner: list[int], needed: list[int], dims: Paralle
     for w in sends:
         w.wait()
     return received, nbytes
-
-
-def broadcast_buckets(buckets, group, device: torch.device):
-    """Buckets of (name, full tensor) from the group's first rank, which passes them, to its other ranks,
-    which pass None and iterate what this yields (per bucket: names and shapes, then one flat tensor). Every
-    rank iterates."""
-    src = dist.get_global_rank(group, 0)
-    is_src = buckets is not None
-    it = iter(buckets or ())
-    while True:
-        # the source sends the next bucket's (name, shape, dtype) list; an empty one means the end
-        if is_src:
-            bucket = next(it, [])
-            meta = [[(n, t.shape, t.dtype) for n, t in bucket]]
-        else:
-            bucket = None
-            meta = [None]
-        dist.broadcast_object_list(meta, src=src, group=group)
-        if not meta[0]:
-            return
-        sizes = [shape.numel() for _, shape, _ in meta[0]]
-        if is_src:
-            flat = torch.cat([t.reshape(-1) for _, t in bucket])
-        else:  # a buffer for the whole bucket, in its first tensor's dtype
-            flat = torch.empty(sum(sizes), dtype=meta[0][0][2], device=device)
-        dist.broadcast(flat, src=src, group=group)
-        if not is_src:
-            yield [(n, t.view(shape)) for (n, shape, _), t in zip(meta[0], flat.split(sizes))]
 
 
 # -----------------------------------------------------------------------------

@@ -88,10 +88,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     tokens = (cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz
               else cfg.ppo_micro_batch_size_per_gpu * seq)
     local = math.ceil(tokens / sp)  # this GPU's share under sequence parallelism
-    split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)  # split by TP
-    sparse = 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E  # a MoE layer's MLP, top-k experts a token
-    dense, moe = 16 * h + (split + 8 * m.intermediate_size) / tp, 16 * h + split / tp + sparse  # bytes/token
-    per_token = [moe if m.is_moe_layer(i) else dense for i in range(L)]
+    per_token = [block_activation_bytes(m, i, tp, compiled=cfg.compile is not False) for i in range(L)]
     scale = local * w / 2  # bytes counted for bf16 above; w / 2 scales them
     ckpt = cfg.gradient_checkpointing
     n_ckpt = L if ckpt is True else int(ckpt)  # the first n_ckpt blocks keep only their input
@@ -103,7 +100,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
     kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
     gib["kv_cache"] = rows * rollout.cache_positions(seq) * kv_token / GiB
-    vllm = engine == "vllm"
+    vllm = engine == "vllm" and not cfg.rollout_gpus  # asynchronous: the engines live on the generator GPUs
     gib["vllm_asleep"] = 1.0 if vllm and cfg.free_cache_engine else 0.0
     gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0
     largest = max(m.vocab_size * h, 2 * m.moe_intermediate_size * h * E)  # gathered whole by the push
@@ -124,8 +121,15 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     fits = peak <= gpu_gib and (not vllm or vllm_kv_gib > 0)
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
-    notes = [f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the built-in "
-             f"engine: {generator_gib:.2f} GiB (weights, KV cache, runtime)"] if cfg.rollout_gpus else []
+    notes = []
+    if cfg.rollout_gpus and engine == "vllm":
+        notes.append(f"{world_size} trainer GPUs; the {cfg.rollout_gpus} generator GPUs hold "
+                     f"{cfg.rollout_gpus // cfg.gen_tp} vLLM engine(s) of TP {cfg.gen_tp}, awake throughout: "
+                     f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} of each (nothing else runs "
+                     "there: raise it to ~0.9)")
+    elif cfg.rollout_gpus:
+        notes.append(f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the "
+                     f"built-in engine: {generator_gib:.2f} GiB (weights, KV cache, runtime)")
     if cfg.free_cache_engine and not cfg.rollout_gpus:  # the other choice, planned alike
         awake = memory_plan(dataclasses.replace(asked, free_cache_engine=False), m, world_size, gpu_gib,
                             runtime_gib, engine)
@@ -149,6 +153,21 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+def block_activation_bytes(m, layer: int, tp: int = 1, compiled: bool = True) -> float:
+    """What decoder block `layer` keeps for backward, per token, in bf16 bytes (README "The memory plan").
+    Eager: 2 RMSNorms x (fp32 input 4h + output 2h), the q/k/v and gate/up inputs 2h + 2h, attention's q, k, v
+    (repeated to all heads) and output 8q, the MLP's gate, up, silu(gate) and product 8i, with q/k norms
+    6q + 6kv. A MoE layer's MLP instead (not measured): top-k rows through experts of width I, 8kI, the sorted
+    rows, outputs and those back in token order, 6kh, and the fp32 router logits and probabilities, 8E. TP
+    splits the q, kv and i parts."""
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)
+    if m.is_moe_layer(layer):
+        k, E = m.num_experts_per_tok, m.num_experts
+        return 16 * h + split / tp + 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E
+    return 16 * h + (split + 8 * m.intermediate_size) / tp
 
 
 def _model_note(n_moe: int, E: int, ep: int, gpu_gib: float, P: int) -> str:

@@ -53,7 +53,8 @@ class SamplingParams:
 class Completion:
     token_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: str  # "stop" (a stop token was sampled) or "length" (max_tokens)
+    # "stop" (a stop token was sampled), "length" (max_tokens) or "abort" (paused: generate's should_pause)
+    finish_reason: str
     # vLLM's MoE routing, [prompt + response - 1 tokens, layers, top_k]
     routed_experts: torch.Tensor | None = None
 
@@ -141,16 +142,24 @@ class TorchEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None,
-                 should_stop=None) -> list[list[Completion]]:
+                 should_stop=None, should_pause=None,
+                 max_tokens: list[int] | None = None) -> list[list[Completion]]:
         """-> per prompt, params.n completions, in waves of whole prompts (at most max_num_seqs rows each).
         version: the trainer's weight version the caller expects. should_stop(), if given, is asked before
-        every decode step: True abandons the generation (GenerationStopped)."""
+        every decode step: True abandons the generation (GenerationStopped). should_pause() likewise: True
+        ends it early, the unfinished completions (those of waves not begun: empty) with finish_reason
+        "abort" (partial rollout). max_tokens: each prompt's own budget instead of params.max_tokens."""
         check_version(self.weights_version, version)
         g = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
+        budgets = max_tokens or [params.max_tokens] * len(prompts)
         per_wave = max(1, self.max_num_seqs // params.n)
         out = []
         for s in range(0, len(prompts), per_wave):
-            out += self._generate_wave(prompts[s:s + per_wave], params, g, should_stop)
+            if out and any(c.finish_reason == "abort" for c in out[-1]):  # paused: the rest is not begun
+                out.append([Completion([], [], "abort") for _ in range(params.n)])
+                continue
+            out += self._generate_wave(prompts[s:s + per_wave], params, g, should_stop, should_pause,
+                                       budgets[s:s + per_wave])
         return out
 
     # internals -----------------------------------------------------------------
@@ -235,9 +244,11 @@ class TorchEngine:
         self._pool = graph.pool()
         return graph
 
-    def _generate_wave(self, prompts, params, g, should_stop=None):
+    def _generate_wave(self, prompts, params, g, should_stop=None, should_pause=None, budgets=None):
         """One wave of whole prompts -> per prompt, params.n completions."""
-        n, T = params.n, params.max_tokens
+        n = params.n
+        budgets = budgets or [params.max_tokens] * len(prompts)
+        T = max(budgets)
         rows, longest = len(prompts) * n, max(len(p) for p in prompts)
         if self.use_cuda_graph:
             cache_rows = self.max_num_seqs  # the graphs' batch buckets go up to max_num_seqs rows
@@ -253,15 +264,21 @@ class TorchEngine:
         out_tok = torch.full((rows, T), -1, dtype=torch.long, device=self.device)
         out_logp = torch.zeros(rows, T, device=self.device)
         alive = torch.arange(rows, device=self.device)  # original row of each live cache row
+        limit = torch.tensor(budgets, device=self.device).repeat_interleave(n)  # each row's max_tokens
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        paused = torch.zeros(rows, dtype=torch.bool, device=self.device)
         for step in range(T):
             if should_stop is not None and should_stop():
                 raise GenerationStopped(f"stopped at decode step {step} of {T}")
+            if should_pause is not None and should_pause():  # this step's tokens are not kept
+                paused[alive] = True
+                break
             out_tok[alive, step], out_logp[alive, step] = tok, logp
             done = torch.isin(tok, stop)
             stopped[alive] = done
             lengths[alive] = step + 1
+            done |= limit[alive] <= step + 1
             if step == T - 1:
                 break
             keep = ~done
@@ -278,10 +295,18 @@ class TorchEngine:
             logits = self._decode(tok, cache_pos, cache, cache_len)
             tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g)
             cache_pos = cache_pos + 1
-        out_tok, out_logp, lengths, stopped = (x.tolist() for x in (out_tok, out_logp, lengths, stopped))
-        flat = [Completion(token_ids=out_tok[r][:lengths[r]],
-                           logprobs=out_logp[r][:lengths[r]],
-                           finish_reason="stop" if stopped[r] else "length") for r in range(rows)]
+        out_tok, out_logp, lengths = out_tok.tolist(), out_logp.tolist(), lengths.tolist()
+        stopped, paused = stopped.tolist(), paused.tolist()
+        flat = []
+        for r in range(rows):
+            if paused[r]:
+                reason = "abort"
+            elif stopped[r]:
+                reason = "stop"
+            else:
+                reason = "length"
+            flat.append(Completion(token_ids=out_tok[r][:lengths[r]], logprobs=out_logp[r][:lengths[r]],
+                                   finish_reason=reason))
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]  # a prompt's n rows are adjacent
 
 
@@ -442,31 +467,74 @@ class VLLMEngine:
         self.weights_version = version
         return nbytes
 
-    def requests(self, prompts: list[list[int]], params: SamplingParams):
+    def requests(self, prompts: list[list[int]], params: SamplingParams, max_tokens: list[int] | None = None,
+                 stepwise: bool = False):
         """vLLM's (prompts, sampling params): n requests of one sample per prompt in order (the prefix cache
         shares the prompt's KV), seeded seed + index alike on every TP rank; log-probs as flat lists (not a
-        dict and a Logprob object per token)."""
+        dict and a Logprob object per token). max_tokens: each prompt's own budget. stepwise: each engine step
+        returns only the new tokens (generate's step loop)."""
         from vllm import SamplingParams as VLLMSamplingParams
+        extra = {}
+        if stepwise:
+            from vllm.sampling_params import RequestOutputKind
+            extra["output_kind"] = RequestOutputKind.DELTA
+        budgets = max_tokens or [params.max_tokens] * len(prompts)
         sampling = []
         for i in range(len(prompts)):
             for j in range(params.n):
                 seed = None if params.seed is None else params.seed + i * params.n + j
                 sampling.append(VLLMSamplingParams(
                     n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-                    max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+                    max_tokens=budgets[i], stop_token_ids=list(params.stop_token_ids),
                     ignore_eos=params.ignore_eos, detokenize=False, logprobs=0 if params.logprobs else None,
-                    flat_logprobs=True, seed=seed))
+                    flat_logprobs=True, seed=seed, **extra))
         prompt_requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(params.n)]
         return prompt_requests, sampling
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: int | None = None,
-                 should_stop=None) -> list[list[Completion]]:
+                 should_stop=None, should_pause=None,
+                 max_tokens: list[int] | None = None) -> list[list[Completion]]:
         """should_stop is not asked: a vLLM generate call runs to its end, because its TP ranks step together
         (one that stopped alone would leave the others waiting in a collective); the caller's agreement after
-        the call stops every rank."""
+        the call stops every rank. should_pause() is asked before every engine step (the caller makes it
+        agree over the engine's TP ranks): True aborts the unfinished requests, which come back with the
+        tokens they have and finish_reason "abort". max_tokens: each prompt's own budget."""
         check_version(self.weights_version, version)
         self.wake_up(["kv_cache"])
-        return vllm_completions(self.llm.generate(*self.requests(prompts, params), use_tqdm=False), params)
+        if should_pause is None:
+            outs = self.llm.generate(*self.requests(prompts, params, max_tokens), use_tqdm=False)
+            return vllm_completions(outs, params)
+        return self._generate_stepwise(prompts, params, should_pause, max_tokens)
+
+    def _generate_stepwise(self, prompts, params: SamplingParams, should_pause, max_tokens):
+        """generate through vLLM's engine, one step at a time (what LLM.generate runs), so that it can stop
+        between steps: abort_request drops a request without an output, so the tokens come as deltas and
+        are kept here."""
+        engine = self.llm.llm_engine
+        requests, sampling = self.requests(prompts, params, max_tokens, stepwise=True)
+        self.request_count = getattr(self, "request_count", 0) + 1
+        ids = [f"nanodapo-{self.request_count}-{i}" for i in range(len(requests))]
+        for rid, request, sp in zip(ids, requests, sampling):
+            engine.add_request(rid, request, sp)
+        tokens = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
+        finish = {}
+        while engine.has_unfinished_requests():
+            if should_pause():
+                unfinished = [rid for rid in ids if rid not in finish]
+                engine.abort_request(unfinished)
+                finish.update(dict.fromkeys(unfinished, "abort"))
+                break
+            for out in engine.step():
+                c = out.outputs[0]
+                tokens[out.request_id] += list(c.token_ids)
+                if c.logprobs is not None:
+                    logprobs[out.request_id] += _sampled_logprobs(c.logprobs)
+                if out.finished:
+                    finish[out.request_id] = "stop" if c.finish_reason == "stop" else "length"
+        flat = [Completion(token_ids=tokens[rid], logprobs=logprobs[rid] if params.logprobs else None,
+                           finish_reason=finish[rid]) for rid in ids]
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
 
 def _load_weights_on_worker(worker, weights, moe: bool):
@@ -532,7 +600,9 @@ class Trajectories:
     seq_reward: torch.Tensor  # [T] score + overlong penalty
     # [T] seq_reward - kl_coef * KL (use_kl_in_reward), else seq_reward
     seq_final_reward: torch.Tensor | None = None
-    versions: torch.Tensor | None = None  # [T] the policy version whose weights generated each trajectory
+    # [T, R] the policy version whose weights sampled each response token (after a partial rollout's weight
+    # update, the rest of a response comes from the newer version; padding: the version asked for)
+    versions: torch.Tensor | None = None
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     adv: torch.Tensor | None = None
@@ -587,14 +657,50 @@ def timed(name: str, timing: dict):
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
 
 
+def generate_resumable(engine, prompts: list[list[int]], params: SamplingParams, *, version: int,
+                       should_stop=None, pause=None) -> tuple[list[list[Completion]], list[list[int]]]:
+    """engine.generate, with partial rollout when `pause` is given: pause.requested() (newer weights are
+    waiting) ends the generation early; pause.resume() loads them and returns their version; the unfinished
+    responses then continue from the tokens they have (prompt + response so far, as a new prompt: the KV is
+    computed again, by the new weights) until none is left unfinished.
+    -> (per prompt, params.n Completions; per completion, in the same flat order, each token's version)"""
+    if pause is None:
+        outs = engine.generate(prompts, params, version=version, should_stop=should_stop)
+        return outs, [[version] * len(c.token_ids) for cs in outs for c in cs]
+    outs = engine.generate(prompts, params, version=version, should_stop=should_stop,
+                           should_pause=pause.requested)
+    flat = [c for cs in outs for c in cs]
+    versions = [[version] * len(c.token_ids) for c in flat]
+    prompt_of = [p for p in prompts for _ in range(params.n)]
+    part = 0
+    while unfinished := [i for i, c in enumerate(flat) if c.finish_reason == "abort"]:
+        version = pause.resume()
+        part += 1  # each continuation samples with a seed of its own
+        seed = None if params.seed is None else params.seed + 7919 * part
+        more = engine.generate([prompt_of[i] + flat[i].token_ids for i in unfinished],
+                               SamplingParams(**{**params.__dict__, "n": 1, "seed": seed}), version=version,
+                               should_stop=should_stop, should_pause=pause.requested,
+                               max_tokens=[params.max_tokens - len(flat[i].token_ids) for i in unfinished])
+        for i, (c,) in zip(unfinished, more):
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = flat[i].logprobs + c.logprobs
+            flat[i] = Completion(token_ids=flat[i].token_ids + c.token_ids, logprobs=logprobs,
+                                 finish_reason=c.finish_reason)
+            versions[i] += [version] * len(c.token_ids)
+    n = params.n
+    return [flat[k * n:(k + 1) * n] for k in range(len(prompts))], versions
+
+
 def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: SamplingParams, cfg, *,
-                       group_offset: int, version: int, timing: dict,
-                       should_stop=None) -> tuple[Trajectories, dict]:
+                       group_offset: int, version: int, timing: dict, should_stop=None,
+                       pause=None) -> tuple[Trajectories, dict]:
     """Generate params.n responses per prompt on this engine and score them -> (Trajectories, reward counts).
-    should_stop() True (a stop signal) abandons both: GenerationStopped or reward.ScoringStopped."""
+    should_stop() True (a stop signal) abandons both: GenerationStopped or reward.ScoringStopped. pause:
+    partial rollout (generate_resumable)."""
     with timed("gen", timing):
-        outputs = engine.generate([p["prompt_ids"] for p in prompts], params, version=version,
-                                  should_stop=should_stop)
+        outputs, token_versions = generate_resumable(engine, [p["prompt_ids"] for p in prompts], params,
+                                                     version=version, should_stop=should_stop, pause=pause)
     comps = [(p, c) for p, cs in zip(prompts, outputs) for c in cs]
     with timed("reward", timing):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in comps]
@@ -605,9 +711,11 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
                                         for (p, _), t in zip(comps, texts)], should_stop=should_stop)
     rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
     mask = torch.zeros_like(rollout_logp)
+    versions = torch.full(rollout_logp.shape, version, dtype=torch.long)
     for i, (_, c) in enumerate(comps):
         rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs) if c.logprobs is not None else math.nan
         mask[i, :len(c.token_ids)] = 1
+        versions[i, :len(c.token_ids)] = torch.tensor(token_versions[i], dtype=torch.long)
     score = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     answer_found = None  # a custom reward_fn need not say whether it found an answer
     if cfg.reward_fn is None:
@@ -622,18 +730,18 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
         data_sources=[p["data_source"] for p, _ in comps],
         acc=torch.tensor([float(r["acc"]) for r in results]), score=score,
         seq_reward=score + torch.tensor(overlong), response_texts=texts,
-        versions=torch.full((len(comps),), version), answer_found=answer_found,
+        versions=versions, answer_found=answer_found,
         routed_experts=[c.routed_experts for _, c in comps] if cfg.router_replay else None)
     return traj, counts
 
 
 def generate_share(run, cfg, prompts: list[dict], params: SamplingParams, engine: int,
-                   engines: int, *, version: int, group_offset: int,
-                   timing: dict) -> tuple[Trajectories, dict]:
+                   engines: int, *, version: int, group_offset: int, timing: dict,
+                   pause=None) -> tuple[Trajectories, dict]:
     """Engine `engine` of `engines` generates and scores its slice of the prompts, seeded apart from the
-    others; a stop signal abandons it (GenerationStopped, reward.ScoringStopped)."""
+    others; a stop signal abandons it (GenerationStopped, reward.ScoringStopped); pause: partial rollout."""
     _, lo, hi = engine_share(len(prompts), engines, 1, engine)
     params = SamplingParams(**{**params.__dict__, "seed": params.seed + 100003 * engine})
     return generate_and_score(run.engine, run.tokenizer, run.scorer, prompts[lo:hi], params, cfg,
                               group_offset=group_offset + lo, version=version, timing=timing,
-                              should_stop=run.stop.signalled)
+                              should_stop=run.stop.signalled, pause=pause)

@@ -43,7 +43,7 @@ from data import Tokenizer
 from hf import from_pretrained
 from model import load_balancing_loss, pack_sequences
 from parallel import StopFlag, StopRequested, report_failure
-from async_rollout import RolloutQueue, gen_batches_ahead, serve_rollouts
+from async_rollout import Bridge, RolloutQueue, gen_batches_ahead, serve_rollouts
 from rollout import (GenerationStopped, SamplingParams, TorchEngine, Trajectories, VLLMEngine,
                      concat_trajectories, engine_results, generate_share, resolve_engine, timed)
 
@@ -144,7 +144,10 @@ class Config:
     rollout_rs_threshold: float = -1.0  # token rejection: drop tokens with p_old / p_rollout outside [1/t, t]
     # asynchronous rollout (README "Asynchronous mode")
     rollout_gpus: int = 0  # 0 = colocated; N: the last N torchrun ranks only generate, the others only train
-    max_staleness: int = 1  # async: step s trains on trajectories from policy versions >= s - max_staleness
+    max_staleness: int = 1  # async: step s trains on tokens sampled by policy versions >= s - max_staleness
+    # async: newer weights reach the generators at their next decode step, not after the gen batch in flight;
+    # its unfinished responses go on with them (each token keeps the version that sampled it)
+    partial_rollout: bool = True
     # a rank waiting on another (async: the trainer for generators, a generator for requests) says so every
     # watchdog_log_s and stops the run after watchdog_timeout_s (a stuck or dead rank)
     watchdog_log_s: float = 60.0
@@ -890,7 +893,9 @@ def setup(cfg: Config) -> Run:
     # async mode: the other trainer ranks wait in a collective while rank 0's watchdog waits on a generator
     timeout_s = cfg.watchdog_timeout_s + 300 if cfg.rollout_gpus else None
     dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size, cfg.ep_size, cfg.rollout_gpus,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, gen_tp=cfg.gen_tp)
+    if cfg.rollout_gpus and (dims.is_main or dims.is_generator):
+        dims.bridge = Bridge.connect(dims, cfg.rollout_gpus, timeout_s)
     # before anything is written there
     out_dir_lock = checkpoint.lock_out_dir(cfg.out_dir) if dims.is_main else None
     try:
@@ -916,30 +921,22 @@ def setup(cfg: Config) -> Run:
     scoring = not cfg.rollout_gpus or dims.is_generator  # async mode: trainer ranks score nothing
     scorer = reward.RewardScorer(cfg.reward_fn, num_workers=cfg.reward_num_workers if scoring else 0,
                                  timeout_s=cfg.reward_timeout)
-    if dims.is_generator:
-        # async mode: a built-in engine with its own copy of the weights; no policy, no optimizer
-        engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
-                             max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=compile_blocks)
+    if dims.is_generator:  # async mode: an engine with its own copy of the weights; no policy, no optimizer
+        if engine_kind == "vllm":
+            engine = make_vllm_engine(cfg, cfg.rollout_gpus // cfg.gen_tp, log)
+            engine.wake_up()  # a generator's engine never sleeps
+        else:
+            engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
+                                 max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=compile_blocks)
         return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
-                   sampler=sampler, scorer=scorer, engine=engine, gen_tp=1, compute_dtype=compute_dtype,
-                   log=log)
+                   sampler=sampler, scorer=scorer, engine=engine, gen_tp=cfg.gen_tp,
+                   compute_dtype=compute_dtype, log=log)
 
     # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
     # sleeps (weights and cache released) until the first rollout
     engine, gen_tp = None, cfg.gen_tp
     if engine_kind == "vllm" and not cfg.rollout_gpus:
-        t0 = time.perf_counter()
-        engine_kwargs = dict(cfg.vllm_kwargs)
-        if cfg.router_replay:
-            engine_kwargs["enable_return_routed_experts"] = True
-        engine = VLLMEngine(cfg.model_path, gen_tp=gen_tp, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=cfg.max_prompt_length + cfg.max_response_length,
-                            max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
-                            enable_chunked_prefill=cfg.enable_chunked_prefill,
-                            max_num_batched_tokens=cfg.max_num_batched_tokens or None, seed=cfg.seed,
-                            dtype=cfg.dtype, engine_kwargs=engine_kwargs)
-        log(f"rollout engine: vLLM, {dims.world_size // gen_tp} engine(s) of TP {gen_tp}, started in "
-            f"{time.perf_counter() - t0:.0f} s; {engine.awake_bytes / 2**30:.1f} GiB each while awake")
+        engine = make_vllm_engine(cfg, dims.world_size // gen_tp, log)
 
     # the policy: fp32 master weights. A CPU process: a plain fp32 module.
     # Else TP / SP / FSDP2 shards (one GPU is a mesh of one) computing in bf16; a rollout engine then holds
@@ -968,8 +965,9 @@ def setup(cfg: Config) -> Run:
                                     parallelize=shard)
         ref_model.eval().requires_grad_(False)
     if cfg.rollout_gpus:
-        log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s) with the built-in engine, "
-            f"max_staleness={cfg.max_staleness}, tis_imp_ratio_cap={tis_cap(cfg)}")
+        log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s), {cfg.rollout_gpus // gen_tp} "
+            f"{engine_kind} engine(s), max_staleness={cfg.max_staleness}, "
+            f"partial_rollout={cfg.partial_rollout}, tis_imp_ratio_cap={tis_cap(cfg)}")
     elif engine is None:  # the built-in engine: the trainer's own module on a CPU, else a full bf16 copy
         gen_model = model
         if dims.sharded:
@@ -996,6 +994,24 @@ def setup(cfg: Config) -> Run:
                sampler=sampler, scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype,
                log=log, model=model, ref_model=ref_model, optimizer=optimizer, scheduler=scheduler,
                total_steps=total_steps, out_dir_lock=out_dir_lock)
+
+
+def make_vllm_engine(cfg: Config, engines: int, log) -> VLLMEngine:
+    """This rank's share of one of `engines` vLLM engines of gen_tp ranks (it sleeps until woken)."""
+    t0 = time.perf_counter()
+    engine_kwargs = dict(cfg.vllm_kwargs)
+    if cfg.router_replay:
+        engine_kwargs["enable_return_routed_experts"] = True
+    engine = VLLMEngine(cfg.model_path, gen_tp=cfg.gen_tp, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                        max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                        max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+                        enable_chunked_prefill=cfg.enable_chunked_prefill,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens or None, seed=cfg.seed,
+                        dtype=cfg.dtype, engine_kwargs=engine_kwargs)
+    log(f"rollout engine: vLLM, {engines} engine(s) of TP {cfg.gen_tp}, started in "
+        f"{time.perf_counter() - t0:.0f} s; "
+        f"{engine.awake_bytes / 2**30:.1f} GiB each while awake")
+    return engine
 
 
 def load_prompts(cfg: Config, tokenizer, files: list[str], max_samples: int) -> list[dict]:
@@ -1073,16 +1089,21 @@ def sampler_state(run: Run) -> dict:
 
 
 def async_metrics(run: Run, batch: Trajectories, version: int, cfg: Config) -> dict:
-    """How many versions behind the policy the batch's weights were (beyond max_staleness is a bug: RunError),
-    and the prompts of all gen batches trained on so far (the sampler's position: each one's
-    prompts follow the last's)."""
-    staleness = (version - batch.versions).float()
+    """How many versions behind the policy the weights that sampled the batch's tokens were (beyond
+    max_staleness is a bug: RunError), the share of responses that partial rollout continued with newer
+    weights, and the prompts of all gen batches trained on so far (the sampler's position: each one's prompts
+    follow the last's)."""
+    mask = batch.response_mask > 0
+    staleness = (version - batch.versions)[mask].float()
     if staleness.max() > cfg.max_staleness:
-        raise RunError(f"step {version + 1} got trajectories {int(staleness.max())} policy versions old, "
+        raise RunError(f"step {version + 1} got tokens sampled {int(staleness.max())} policy versions ago, "
                        f"more than max_staleness={cfg.max_staleness}")
+    newest = batch.versions.masked_fill(~mask, -1).amax(-1)
+    oldest = batch.versions.masked_fill(~mask, version + 1).amin(-1)
     s = sampler_state(run)
     return {"rollout/staleness_mean": staleness.mean().item(),
             "rollout/staleness_max": staleness.max().item(),
+            "rollout/partial_frac": (newest > oldest).float().mean().item(),
             "sampler/consumed_prompts": s["epoch"] * s["num_prompts"] + s["position"]}
 
 
@@ -1207,7 +1228,7 @@ def main(argv: list[str]) -> int:
             raise
         report_failure(e)  # another rank stopped first: it said why
         return parallel.EXIT_RUN_FAILED
-    if int(os.environ.get("RANK", "0")) == 0:
+    if parallel.torchrun_rank() == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
         print(f"plot them: python tools/plot.py {cfg.out_dir}")
     return 0

@@ -154,16 +154,18 @@ def torchrun_script(nproc, script, *args, timeout=300):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def torchrun_trainer(tiny_dir, out, nproc, fault=None, **over):
+def torchrun_trainer(tiny_dir, out, nproc, fault=None, fake_vllm=False, **over):
     """`torchrun --nproc-per-node nproc train_dapo.py -- FLAGS` of a short run on tiny_dir's model and data
     (trainer_argv), a free port, CPU processes of one thread each -> the Popen, stdout and stderr in one pipe.
-    fault: NANODAPO_FAULT (checkpoint.fault_point)."""
+    fault: NANODAPO_FAULT (checkpoint.fault_point). fake_vllm: tests/fake_vllm.py stands in for vllm
+    (tests/fake_vllm_launch.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("NANODAPO_FAULT", None)
     if fault:
         env["NANODAPO_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "train_dapo.py"), "--", *trainer_argv(tiny_dir, out, **over)]
+           os.path.join(TESTS_DIR, "fake_vllm_launch.py") if fake_vllm else os.path.join(ROOT, "train_dapo.py"),
+           "--", *trainer_argv(tiny_dir, out, **over)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -4,11 +4,16 @@ It behaves like the real engine where the trainer depends on it: a max_model_len
 max_position_embeddings is refused, "dummy" random weights at start, sleep(2) destroys the weights,
 load_weights takes full tensors in HF's names only (an expert stack as one tensor per expert and projection),
 each request is sampled with its own seed, and the sampled token's log-prob comes back per position (when
-asked for). It records every call, so the CPU tests can check the engine's bookkeeping and the trainer's
-choreography (wake, push, generate, sleep) without a GPU."""
+asked for). Its engine (llm.llm_engine) steps requests one token at a time with delta outputs, and an aborted
+request leaves no output, as vLLM's does. It records every call, so the CPU tests can check the engine's
+bookkeeping and the trainer's choreography (wake, push, generate, sleep) without a GPU.
+
+tests/fake_vllm_launch.py runs train_dapo.py with this module as vllm, for torchrun tests."""
+import enum
 import importlib.machinery
 import os
 import sys
+import time
 import types
 from types import SimpleNamespace
 
@@ -19,11 +24,17 @@ import model as M
 import rollout as R
 
 
+class RequestOutputKind(enum.Enum):  # vllm.sampling_params.RequestOutputKind
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingParams:
     def __init__(self, seed=None, flat_logprobs=False, logprobs=None, **kw):
         self.seed, self.flat_logprobs, self.logprobs = seed, flat_logprobs, logprobs
         self.__dict__.update(dict(n=1, temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=[], ignore_eos=False,
-                                  detokenize=True), **kw)  # vLLM's defaults
+                                  detokenize=True, output_kind=RequestOutputKind.CUMULATIVE), **kw)  # vLLM's defaults
 
 
 class LLM:
@@ -41,6 +52,7 @@ class LLM:
                              "config.json). To allow overriding this maximum, set the env var "
                              "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.")
         self.model = M.Transformer(config).init_weights(seed=12345).eval()  # "dummy"
+        self.llm_engine = LLMEngine(self)
         LLM.instances.append(self)
 
     def sleep(self, level):
@@ -69,6 +81,7 @@ class LLM:
 
     def _load(self, weights):
         assert "weights" in self.awake, "load_weights while the weights are asleep"
+        assert not self.llm_engine.requests, "load_weights while requests are in flight would mix two weights"
         targets = hf.hf_targets(self.model)  # HF names only, as vLLM's own modules are named
         names = []
         with torch.no_grad():
@@ -82,27 +95,28 @@ class LLM:
     def generate(self, requests, sampling, use_tqdm=True):
         assert self.awake == {"weights", "kv_cache"}, f"generate while asleep ({self.awake})"
         self.calls.append(("generate", len(requests)))
-        engine = R.TorchEngine(self.model, use_cuda_graph=False)
-        outs = []
         sampling = sampling if isinstance(sampling, list) else [sampling] * len(requests)
         self.last_sampling = sampling
+        outs = []
         for req, sp in zip(requests, sampling):
-            assert sp.n == 1
-            c = engine.generate([req["prompt_token_ids"]], R.SamplingParams(
-                n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
-                max_tokens=sp.max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-                seed=sp.seed))[0][0]
-            assert sp.flat_logprobs or sp.logprobs is None  # else a {token: Logprob} dict per position, unread
-            # vLLM's FlatLogprobs: flat lists, positions by index ranges (one entry each: logprobs=0); None unasked
-            logprobs = None if sp.logprobs is None else SimpleNamespace(
-                start_indices=list(range(len(c.logprobs))), end_indices=list(range(1, len(c.logprobs) + 1)),
-                token_ids=list(c.token_ids), logprobs=list(c.logprobs))
+            c, logprobs = self._sample(req, sp)
             routed = self._routing(req["prompt_token_ids"] + list(c.token_ids)[:-1]) \
                 if self.kwargs.get("enable_return_routed_experts") else None
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(c.token_ids), logprobs=logprobs,
                                                                  finish_reason=c.finish_reason,
                                                                  routed_experts=routed)]))
         return outs
+
+    def _sample(self, req, sp):
+        """One request's whole completion from the current weights -> (Completion, vLLM's FlatLogprobs or None)."""
+        assert sp.n == 1
+        engine = R.TorchEngine(self.model, use_cuda_graph=False)
+        c = engine.generate([req["prompt_token_ids"]], R.SamplingParams(
+            n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
+            max_tokens=sp.max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+            seed=sp.seed))[0][0]
+        assert sp.flat_logprobs or sp.logprobs is None  # else a {token: Logprob} dict per position, unread
+        return c, None if sp.logprobs is None else flat_logprobs(c.token_ids, c.logprobs)
 
     def _routing(self, tokens):
         """vLLM's routed_experts: uint8 numpy [tokens fed to the model, all layers, top_k], each MoE layer's top-k
@@ -121,12 +135,85 @@ class LLM:
         return out.numpy()
 
 
-def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
-    """Make `import vllm` return this module's stand-ins for the rest of the test."""
+def flat_logprobs(token_ids, logprobs):
+    """vLLM's FlatLogprobs: flat lists, positions by index ranges (one entry each: logprobs=0)."""
+    return SimpleNamespace(start_indices=list(range(len(logprobs))), end_indices=list(range(1, len(logprobs) + 1)),
+                           token_ids=list(token_ids), logprobs=list(logprobs))
+
+
+class LLMEngine:
+    """vLLM's engine under LLM (llm.llm_engine), stepped by the caller: add_request, step, abort_request. Each step
+    samples one more token of every request in flight from the current weights (one packed forward of the whole
+    sequences; each request with its own seeded generator, as the built-in engine samples a row) and hands it out
+    as a delta (the only output kind nanodapo reads this way)."""
+
+    def __init__(self, llm):
+        self.llm, self.requests = llm, {}  # request id -> (prompt token ids, params, generator, tokens, log-probs)
+
+    def add_request(self, request_id, prompt, params):
+        assert params.output_kind == RequestOutputKind.DELTA, params.output_kind
+        assert request_id not in self.requests and params.n == 1
+        assert self.llm.awake == {"weights", "kv_cache"}, f"add_request while asleep ({self.llm.awake})"
+        assert params.flat_logprobs or params.logprobs is None
+        self.llm.calls.append(("add_request", request_id))
+        g = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        self.requests[request_id] = (list(prompt["prompt_token_ids"]), params, g, [], [])
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        time.sleep(float(os.environ.get("FAKE_VLLM_STEP_S", "0")))  # a slower engine, for tests that need one
+        outs = []
+        if not self.requests:
+            return outs
+        # one packed forward of every request's sequence, logits at each one's last token
+        ids, pos, batch = M.pack_sequences([p + t for p, _, _, t, _ in self.requests.values()], torch.device("cpu"))
+        with torch.no_grad():
+            last = self.llm.model(ids, pos, batch, logits_at=batch.cu_seqlens[1:].long() - 1)
+        for row, (rid, (prompt, sp, g, tokens, logprobs)) in enumerate(list(self.requests.items())):
+            tok, logp = R.sample_tokens(last[row:row + 1], sp.temperature, sp.top_p, sp.top_k if sp.top_k > 0 else -1,
+                                        g)
+            tokens.append(int(tok))
+            logprobs.append(float(logp))
+            stopped = not sp.ignore_eos and tokens[-1] in sp.stop_token_ids
+            finished = stopped or len(tokens) == sp.max_tokens
+            delta = None if sp.logprobs is None else flat_logprobs(tokens[-1:], logprobs[-1:])
+            outs.append(SimpleNamespace(request_id=rid, finished=finished, outputs=[SimpleNamespace(
+                token_ids=(tokens[-1],), logprobs=delta,
+                finish_reason=("stop" if stopped else "length") if finished else None)]))
+            if finished:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, request_ids):
+        self.llm.calls.append(("abort", len(request_ids)))
+        for rid in request_ids:
+            self.requests.pop(rid, None)  # vLLM's sync engine returns nothing for an aborted request
+
+
+def vllm_module():
+    """A module `vllm` made of this file's stand-ins (and vllm.sampling_params)."""
     module = types.ModuleType("vllm")
     module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
     module.LLM, module.SamplingParams = LLM, SamplingParams
+    module.sampling_params = types.ModuleType("vllm.sampling_params")
+    module.sampling_params.RequestOutputKind = RequestOutputKind
+    return module
+
+
+def install_globally(free_bytes=8 * 2**30):
+    """For a whole process (tests/fake_vllm_launch.py): `import vllm` gives the stand-ins."""
+    module = vllm_module()
+    sys.modules["vllm"], sys.modules["vllm.sampling_params"] = module, module.sampling_params
+    R.free_device_memory = lambda: free_bytes
+
+
+def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
+    """Make `import vllm` return this module's stand-ins for the rest of the test."""
+    module = vllm_module()
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", module.sampling_params)
     monkeypatch.setattr(R, "free_device_memory", free_bytes)
     # the CPU tests stay a plain process without a group; the environment is what _ensure_process_group leaves
     # for vLLM (test_a_single_rank_gets_a_process_group_for_vllm_without_hanging checks the real one)

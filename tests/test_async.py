@@ -1,6 +1,8 @@
-"""Asynchronous rollout (rollout_gpus > 0) on CPU with gloo and the built-in engine: the last torchrun ranks generate,
-the others train. Runs are deterministic, a kill -9 then resume reproduces the uninterrupted run, no trajectory is
-older than max_staleness versions, and every prompt drawn is trained on once, in order, across resumes."""
+"""Asynchronous rollout (rollout_gpus > 0) on CPU with gloo, with the built-in engine and with vLLM generators
+(tests/fake_vllm.py; one engine of two ranks in the 1 + 2 layout): the last torchrun ranks generate, the others
+train. Runs are deterministic, a kill -9 then resume reproduces the uninterrupted run, no token is older than
+max_staleness versions, and every prompt drawn is trained on once, in order, across resumes. Partial rollout
+(max_staleness=2: gen batches are in flight when weights change) through the whole loop."""
 import math
 import os
 import signal
@@ -39,8 +41,14 @@ def check_rounds(rows, max_staleness=1):
         assert r["sampler/consumed_prompts"] == consumed, r["step"]
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (3, 1), (3, 2)],
-                ids=["1_trainer_1_generator", "2_trainers_1_generator", "1_trainer_2_generators"])
+VLLM = {"fake_vllm": True, "rollout_engine": "vllm", "filter_groups": False}  # one gen batch a step: faster
+LAYOUTS = {"1_trainer_1_generator": (2, 1, {}), "2_trainers_1_generator": (3, 1, {}),
+           "1_trainer_2_generators": (3, 2, {}),
+           "vllm_1_trainer_1_generator": (2, 1, VLLM), "vllm_2_trainers_1_generator": (3, 1, VLLM),
+           "vllm_1_trainer_2_generators_one_engine": (3, 2, {**VLLM, "gen_tp": 2})}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS.values()), ids=list(LAYOUTS))
 def layout(request):
     return request.param
 
@@ -48,7 +56,8 @@ def layout(request):
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_dir, tmp_path_factory, layout):
     out = tmp_path_factory.mktemp("async_ref") / "run"
-    finish(torchrun(tiny_dir, out, *layout))
+    nproc, rollout_gpus, over = layout
+    finish(torchrun(tiny_dir, out, nproc, rollout_gpus, **over))
     return run_metrics(out)
 
 
@@ -56,18 +65,21 @@ def uninterrupted(tiny_dir, tmp_path_factory, layout):
 def test_async_run_is_deterministic_and_stays_within_the_staleness_bound(tiny_dir, tmp_path, layout, uninterrupted):
     assert [r["step"] for r in uninterrupted] == list(range(STEPS + 1))
     check_rounds(uninterrupted)
-    finish(torchrun(tiny_dir, tmp_path / "again", *layout))
+    assert all(r["rollout/partial_frac"] == 0 for r in uninterrupted if r["step"])  # max_staleness=1: none in flight
+    nproc, rollout_gpus, over = layout
+    finish(torchrun(tiny_dir, tmp_path / "again", nproc, rollout_gpus, **over))
     assert run_metrics(tmp_path / "again") == uninterrupted
 
 
 @pytest.mark.slow  # torchrun of train_dapo.py
 def test_kill_9_then_resume_reproduces_the_uninterrupted_async_run(tiny_dir, tmp_path, layout, uninterrupted):
     out = tmp_path / "run"
-    p = torchrun(tiny_dir, out, *layout, fault="update:3")  # killed after step 3's update, rounds in flight
+    nproc, rollout_gpus, over = layout
+    p = torchrun(tiny_dir, out, nproc, rollout_gpus, fault="update:3", **over)  # killed after step 3's update
     p.stdout.read()
     assert p.wait(timeout=600) != 0
     assert sorted(os.listdir(out / "checkpoints")) == ["step_2"]
-    log = finish(torchrun(tiny_dir, out, *layout))
+    log = finish(torchrun(tiny_dir, out, nproc, rollout_gpus, **over))
     assert "resumed from" in log and "step_2 at step 2" in log
     assert run_metrics(out) == uninterrupted
 
@@ -92,6 +104,24 @@ def test_sigterm_checkpoints_on_all_ranks_and_the_resume_skips_no_prompt(tiny_di
     check_rounds(rows)  # the round in flight at the stop was drawn again after the resume, not lost
 
 
+@pytest.mark.slow  # torchrun of train_dapo.py
+def test_partial_rollout_keeps_the_per_token_bound_and_a_kill_9_loses_no_prompt(tiny_dir, tmp_path, monkeypatch):
+    # each engine step of the stand-in takes 50 ms, so the weights that validation and the gen batches asked ahead
+    # bring come while a gen batch is still generating
+    monkeypatch.setenv("FAKE_VLLM_STEP_S", "0.05")
+    over = {**VLLM, "gen_tp": 2, "max_staleness": 2, "steps": 8, "save_freq": 4}
+    out = tmp_path / "run"
+    p = torchrun(tiny_dir, out, 3, 2, fault="update:6", **over)  # killed after step 6's update
+    p.stdout.read()
+    assert p.wait(timeout=600) != 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_4"]
+    finish(torchrun(tiny_dir, out, 3, 2, **over))
+    rows = run_metrics(out)
+    assert [r["step"] for r in rows] == list(range(9))
+    check_rounds(rows, max_staleness=2)  # per token; the prompts follow each other across the kill
+    assert any(r["rollout/partial_frac"] > 0 for r in rows if r["step"])  # responses that changed versions
+
+
 def test_rollout_gpus_must_leave_trainer_ranks(tiny_dir, tmp_path, capsys):
     assert T.main(trainer_argv(tiny_dir, tmp_path / "run", rollout_gpus=1)) == 2  # one process: no rank left to train
     assert "rollout_gpus=1 must be < the world size 1" in capsys.readouterr().err
@@ -100,7 +130,9 @@ def test_rollout_gpus_must_leave_trainer_ranks(tiny_dir, tmp_path, capsys):
 @pytest.mark.parametrize("world,over,msg", [
     (2, {"rollout_gpus": 2}, "rollout_gpus=2 must be < the world size 2"),
     (4, {"rollout_gpus": 1, "tp_size": 2}, "must divide the world size 3"),  # the mesh is the trainer ranks'
-    (3, {"rollout_gpus": 1, "rollout_engine": "vllm"}, "built-in engine"),
+    (4, {"rollout_gpus": 3, "rollout_engine": "vllm", "gen_tp": 2}, "gen_tp=2 must divide rollout_gpus=3"),
+    (3, {"rollout_gpus": 2, "rollout_engine": "torch", "gen_tp": 2}, "gen_tp=2 needs rollout_engine='vllm'"),
+    (3, {"rollout_gpus": 1, "rollout_engine": "vllm", "router_replay": True}, "router_replay=True is not supported"),
     (3, {"rollout_gpus": 1, "max_staleness": 0}, "max_staleness=0 must be > 0"),
     (3, {"rollout_gpus": 1, "rollout_rs_threshold": 0.5}, "rollout_rs_threshold=0.5 must be -1"),
 ])

@@ -116,7 +116,7 @@ def test_vllm_check_writes_and_passes_on_a_random_moe_against_the_fake(monkeypat
     assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "model.safetensors",
                                         "tokenizer.json", "tokenizer_config.json"]
     results = json.loads(out.read_text())
-    assert all(r["pass"] for k, r in results.items() if k != "figures") and len(results) == 7
+    assert all(r["pass"] for k, r in results.items() if k != "figures") and len(results) == 8
 
 
 def replay_traj(prompts, comps, routed):

@@ -275,8 +275,8 @@ def test_vllm_check_passes_on_the_demo_model_against_the_fake(monkeypatch, tmp_p
     assert results["figures"]["max_model_len"] == 256
     assert fake_vllm.LLM.instances[0].kwargs["max_model_len"] == 256
     assert sorted(k for k in results if k != "figures") == [
-        "changed_weights_change_outputs", "greedy_vs_builtin", "logprobs_vs_trainer", "seed_reproduces_samples",
-        "sleep_wake_push_same", "stale_version_raises"]
+        "changed_weights_change_outputs", "greedy_vs_builtin", "logprobs_vs_trainer", "partial_rollout_stepped",
+        "seed_reproduces_samples", "sleep_wake_push_same", "stale_version_raises"]
 
 
 def test_rollout_logprobs_are_asked_for_only_when_something_needs_them():

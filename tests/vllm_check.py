@@ -24,6 +24,9 @@ Checks, each a line "PASS|FAIL name: figures", and a JSON of the figures:
  3. sleep(2) -> wake -> push of the same weights: greedy outputs == those before sleep, exactly
  4. push of changed weights (an MoE's experts only): greedy outputs change
  5. generating with a stale version raises StaleWeightsError; bytes and seconds of a push
+ 6. partial rollout on vLLM's stepped engine (generate with should_pause): never paused, the samples equal check 1's
+    (>= 90%); paused halfway, the weights pushed again (as version 1) and the rest generated as new prompts: every
+    response complete, tokens tagged 0 then 1, teacher-forced log-probs within 0.02; the seconds a pause costs
 """
 import argparse
 import json
@@ -157,6 +160,49 @@ def main(argv=None) -> bool:
     groups_distinct = sum(len({tuple(x) for x in g}) == len(g) for g in first) / len(first)
     check("seed_reproduces_samples", same_frac >= 0.9 and other_frac <= 0.5 and groups_distinct >= 0.5,
           same_seed_equal=same_frac, other_seed_equal=other_frac, groups_all_distinct=groups_distinct)
+
+    # 6. partial rollout: the stepped engine without a pause samples what LLM.generate samples; with one pause
+    # halfway (the same weights pushed again as version 1) the responses continue from their tokens
+    params = R.SamplingParams(n=4, temperature=1.0, max_tokens=a.max_tokens, seed=1,
+                              stop_token_ids=tok.eos_token_ids)
+    t = time.perf_counter()
+    engine.generate(mine, params, version=0)
+    plain_s = time.perf_counter() - t
+    t = time.perf_counter()
+    stepped = engine.generate(mine, params, version=0, should_pause=lambda: False)
+    stepped_s = time.perf_counter() - t
+    same = sum(x.token_ids == y.token_ids for xs, ys in zip(stepped, sampled) for x, y in zip(xs, ys))
+    calls = []
+
+    class Pause:
+        def requested(self):
+            calls.append(1)
+            return len(calls) == a.max_tokens // 2
+
+        def resume(self):
+            push(1)  # the same weights, as version 1: the continuation must still match the trainer
+            return 1
+    t = time.perf_counter()
+    resumed, versions = R.generate_resumable(engine, mine, params, version=0, pause=Pause())
+    resumed_s = time.perf_counter() - t
+    flat_resumed = [c for cs in resumed for c in cs]
+    complete = all(c.finish_reason == "stop" or len(c.token_ids) == a.max_tokens for c in flat_resumed)
+    switched = sum(len(set(v)) > 1 for v in versions)
+    rtraj = T.Trajectories(prompt_ids=[p for p in mine for _ in range(4)],
+                           response_ids=[c.token_ids for c in flat_resumed], group_ids=torch.zeros(len(flat_resumed)),
+                           rollout_logp=None, response_mask=torch.zeros(len(flat_resumed), a.max_tokens),
+                           finish_reasons=[], data_sources=[], acc=None, score=None, seq_reward=None)
+    rlogp = torch.zeros(len(flat_resumed), a.max_tokens)
+    for i, c in enumerate(flat_resumed):
+        rtraj.response_mask[i, :len(c.token_ids)] = 1
+        rlogp[i, :len(c.token_ids)] = torch.tensor(c.logprobs)
+    with torch.no_grad():
+        logp, _ = T.sequence_logprobs(model, rtraj, list(range(len(flat_resumed))), cfg, with_entropy=False)
+    rmad = float(((logp.float().cpu() - rlogp).abs() * rtraj.response_mask).sum() / rtraj.response_mask.sum())
+    check("partial_rollout_stepped", same >= 0.9 * len(comps) and complete and switched > 0 and rmad < 0.02,
+          unpaused_equal_fraction=same / len(comps), switched=switched, of=len(flat_resumed),
+          mean_abs_diff_after_pause=rmad, llm_generate_s=plain_s, stepped_s=stepped_s, paused_once_s=resumed_s)
+    push(0)
 
     # 2. greedy vs the built-in engine on a bf16 copy
     before = [c[0].token_ids for c in engine.generate(mine, greedy, version=0)]
