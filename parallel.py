@@ -757,8 +757,15 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
     bucket plus one parameter."""
     bucket, size = [], 0
     for name, p in model.named_parameters():
-        t = p.detach().to(dtype)  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
-        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if isinstance(p, DTensor):  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
+            mesh = p.device_mesh
+            device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device()) \
+                if mesh.device_type != "cpu" else torch.device("cpu")
+            local = p.to_local().detach().to(device=device, dtype=dtype)  # offloaded (param_offload): on the host
+            t = DTensor.from_local(local, mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride()).full_tensor()
+        else:
+            t = p.detach().to(dtype)
         if rename is not None:
             pieces = rename(name, t)
         else:

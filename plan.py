@@ -156,18 +156,22 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
 
 
 def block_activation_bytes(m, layer: int, tp: int = 1, compiled: bool = True) -> float:
-    """What decoder block `layer` keeps for backward, per token, in bf16 bytes (README "The memory plan").
-    Eager: 2 RMSNorms x (fp32 input 4h + output 2h), the q/k/v and gate/up inputs 2h + 2h, attention's q, k, v
-    (repeated to all heads) and output 8q, the MLP's gate, up, silu(gate) and product 8i, with q/k norms
-    6q + 6kv. A MoE layer's MLP instead (not measured): top-k rows through experts of width I, 8kI, the sorted
-    rows, outputs and those back in token order, 6kh, and the fp32 router logits and probabilities, 8E. TP
-    splits the q, kv and i parts."""
+    """What decoder block `layer` keeps for backward, per token, in bf16 bytes (README "The memory plan";
+    bench/activations.py measures both modes). Eager: 2 RMSNorms x (fp32 input 4h + output 2h), the q/k/v and
+    gate/up inputs 2h + 2h, attention's q, k, v (repeated to all heads) and output 8q, the MLP's gate, up,
+    silu(gate) and product 8i. Compiled (torch.compile'd blocks, the default on CUDA): Inductor fuses each
+    RMSNorm and SiLU(gate) x up into one kernel that saves less: 8h + 8q + 6i. With q/k norms 6q + 6kv more
+    (measured eager only). A MoE layer's MLP instead (not measured): top-k rows through experts of width I, 8kI,
+    the sorted rows, outputs and those back in token order, 6kh, and the fp32 router logits and probabilities,
+    8E. TP splits the q, kv and i parts."""
     h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)
+    norms_and_inputs = 8 * h if compiled else 16 * h
     if m.is_moe_layer(layer):
         k, E = m.num_experts_per_tok, m.num_experts
-        return 16 * h + split / tp + 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E
-    return 16 * h + (split + 8 * m.intermediate_size) / tp
+        return norms_and_inputs + split / tp + 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E
+    mlp = 6 * m.intermediate_size if compiled else 8 * m.intermediate_size
+    return norms_and_inputs + (split + mlp) / tp
 
 
 def _model_note(n_moe: int, E: int, ep: int, gpu_gib: float, P: int) -> str:

@@ -530,12 +530,12 @@ def rank_share(idx: list[int], dims) -> list[int]:
 
 
 def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, with_entropy: bool | str,
-                      router_loads=None):
+                      router_loads=None, device=None):
     """Packed forward of prompt+response for trajectories idx
     -> (logp, entropy) [len(idx), R] on response tokens.
     router_loads: a list that MoE layers append their routing statistics to (for the load-balancing loss)."""
     seqs = [traj.prompt_ids[i] + traj.response_ids[i] for i in idx]
-    device = model.output_weight.device
+    device = device or model.output_weight.device  # the accelerator: offloaded weights live on the host
     ids, pos, batch = pack_sequences([s[:-1] for s in seqs], device)
     targets = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
     routed = None
@@ -573,7 +573,7 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tens
     out = torch.zeros_like(traj.response_mask, dtype=torch.float32)
     fetch_routing(traj, mine, dims)
     for mb in micro_batches(traj, mine, cfg.log_prob_micro_batch_size_per_gpu, budget, dims):
-        logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False)
+        logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False, device=dims.device)
         out[mb] = logp.float().cpu()
     if dims.dp > 1:
         for idx, part in parallel.all_gather_objects((mine, out[mine]), dims):
@@ -594,7 +594,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
     own log-probs, detached, are the old ones."""
     mb_size = cfg.ppo_mini_batch_size * cfg.n
     budget = cfg.ppo_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
-    device = model.output_weight.device
+    device = dims.device
     n_minibatches = cfg.ppo_epochs * math.ceil(len(traj) / mb_size)
     router_aux = cfg.router_aux_loss and model.config.num_experts > 0
     engine_logp = not traj.rollout_logp.isnan().any()  # the engine returned log-probs (NaN: not asked for)
@@ -617,7 +617,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 router_loads = [] if router_aux else None
                 logp, ent = sequence_logprobs(model, traj, mb, cfg,
                                               with_entropy=bool(cfg.entropy_coeff) or "detached",
-                                              router_loads=router_loads)
+                                              router_loads=router_loads, device=device)
                 logp, ent = logp.float(), ent.float()
                 rollout_logp = traj.rollout_logp[mb].to(device)
                 if traj.old_logp is None:
@@ -945,7 +945,10 @@ def setup(cfg: Config) -> Run:
     if dims.sharded:
         shard = functools.partial(parallel.parallelize, dims=dims, param_dtype=compute_dtype,
                                   offload=cfg.param_offload or cfg.optimizer_offload, compile=compile_blocks)
-    model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device, parallelize=shard)
+    # FSDP's CPU offload wants the shards materialized on the host
+    offload = cfg.param_offload or cfg.optimizer_offload
+    policy_device = torch.device("cpu") if offload else dims.device
+    model = from_pretrained(cfg.model_path, dtype=torch.float32, device=policy_device, parallelize=shard)
     if compile_blocks:
         log(f"torch.compile: the policy's decoder blocks (compile={cfg.compile!r}), shapes dynamic from the "
             "start")
@@ -961,7 +964,7 @@ def setup(cfg: Config) -> Run:
     model.gradient_checkpointing = ckpt
     ref_model = None
     if cfg.use_kl_loss or cfg.use_kl_in_reward:
-        ref_model = from_pretrained(cfg.model_path, dtype=torch.float32, device=dims.device,
+        ref_model = from_pretrained(cfg.model_path, dtype=torch.float32, device=policy_device,
                                     parallelize=shard)
         ref_model.eval().requires_grad_(False)
     if cfg.rollout_gpus:

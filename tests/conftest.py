@@ -215,11 +215,11 @@ def planner_model():
 
 
 def planner_cfg(**kw):
-    """The train_dapo.Config the hand-checked plans use (tp_size=2, checkpointing on, ...); keyword
-    arguments override any key."""
+    """The train_dapo.Config the hand-checked plans use (tp_size=2, checkpointing on, eager blocks: the
+    activation bytes worked out in tests/test_configs.py, ...); keyword arguments override any key."""
     base = dict(max_prompt_length=16, max_response_length=48, ppo_micro_batch_size_per_gpu=2,
                 use_dynamic_bsz=False, logprob_chunk=16, max_num_seqs=8, n=4, gradient_checkpointing=True,
-                tp_size=2)
+                tp_size=2, compile=False)
     return T.Config(**{**base, **kw})
 
 

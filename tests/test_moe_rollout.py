@@ -178,9 +178,9 @@ def test_the_trainer_replays_the_routing_it_generated(monkeypatch, moe_dir, tiny
     seen = []
     forward = T.sequence_logprobs
 
-    def recording(model, traj, idx, cfg, with_entropy, router_loads=None):
+    def recording(model, traj, idx, cfg, with_entropy, router_loads=None, device=None):
         seen.append(all(traj.routed_experts[i] is not None for i in idx))
-        return forward(model, traj, idx, cfg, with_entropy, router_loads)
+        return forward(model, traj, idx, cfg, with_entropy, router_loads, device)
 
     monkeypatch.setattr(T, "sequence_logprobs", recording)
     T.train(tiny_train_config(tiny_dir, tmp_path / "run", model_path=moe_dir, rollout_engine="vllm",

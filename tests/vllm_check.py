@@ -26,7 +26,8 @@ Checks, each a line "PASS|FAIL name: figures", and a JSON of the figures:
  5. generating with a stale version raises StaleWeightsError; bytes and seconds of a push
  6. partial rollout on vLLM's stepped engine (generate with should_pause): never paused, the samples equal check 1's
     (>= 90%); paused halfway, the weights pushed again (as version 1) and the rest generated as new prompts: every
-    response complete, tokens tagged 0 then 1, teacher-forced log-probs within 0.02; the seconds a pause costs
+    response complete, tokens tagged 0 then 1, teacher-forced log-probs within 0.02 or within 1.2x check 1's
+    difference; the seconds a pause costs
 """
 import argparse
 import json
@@ -199,7 +200,9 @@ def main(argv=None) -> bool:
     with torch.no_grad():
         logp, _ = T.sequence_logprobs(model, rtraj, list(range(len(flat_resumed))), cfg, with_entropy=False)
     rmad = float(((logp.float().cpu() - rlogp).abs() * rtraj.response_mask).sum() / rtraj.response_mask.sum())
-    check("partial_rollout_stepped", same >= 0.9 * len(comps) and complete and switched > 0 and rmad < 0.02,
+    # as close to the trainer as the unpaused samples of check 1 (a model can sit above check 1's 0.02 there)
+    check("partial_rollout_stepped", same >= 0.9 * len(comps) and complete and switched > 0
+          and rmad < max(0.02, 1.2 * mad),
           unpaused_equal_fraction=same / len(comps), switched=switched, of=len(flat_resumed),
           mean_abs_diff_after_pause=rmad, llm_generate_s=plain_s, stepped_s=stepped_s, paused_once_s=resumed_s)
     push(0)
