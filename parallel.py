@@ -759,9 +759,12 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
             mesh = p.device_mesh
-            device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device()) \
-                if mesh.device_type != "cpu" else torch.device("cpu")
-            local = p.to_local().detach().to(device=device, dtype=dtype)  # offloaded (param_offload): on the host
+            if mesh.device_type == "cpu":
+                device = torch.device("cpu")
+            else:  # the accelerator, also for a shard that param_offload keeps on the host
+                index = torch.get_device_module(mesh.device_type).current_device()
+                device = torch.device(mesh.device_type, index)
+            local = p.to_local().detach().to(device=device, dtype=dtype)
             t = DTensor.from_local(local, mesh, p.placements, run_check=False, shape=p.shape,
                                    stride=p.stride()).full_tensor()
         else:

@@ -161,9 +161,9 @@ def block_activation_bytes(m, layer: int, tp: int = 1, compiled: bool = True) ->
     gate/up inputs 2h + 2h, attention's q, k, v (repeated to all heads) and output 8q, the MLP's gate, up,
     silu(gate) and product 8i. Compiled (torch.compile'd blocks, the default on CUDA): Inductor fuses each
     RMSNorm and SiLU(gate) x up into one kernel that saves less: 8h + 8q + 6i. With q/k norms 6q + 6kv more
-    (measured eager only). A MoE layer's MLP instead (not measured): top-k rows through experts of width I, 8kI,
-    the sorted rows, outputs and those back in token order, 6kh, and the fp32 router logits and probabilities,
-    8E. TP splits the q, kv and i parts."""
+    (measured eager only). A MoE layer's MLP instead (not measured): top-k rows through experts of width I,
+    8kI, the sorted rows, outputs and those back in token order, 6kh, and the fp32 router logits and
+    probabilities, 8E. TP splits the q, kv and i parts."""
     h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     split = 8 * q + (6 * q + 6 * kv if m.qk_norm else 0)
     norms_and_inputs = 8 * h if compiled else 16 * h
