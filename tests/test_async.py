@@ -85,9 +85,10 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_async_run(tiny_dir, tmp
 
 
 @pytest.mark.slow  # torchrun of train_dapo.py
-def test_sigterm_checkpoints_on_all_ranks_and_the_resume_skips_no_prompt(tiny_dir, tmp_path):
+@pytest.mark.parametrize("engine", [{}, VLLM], ids=["builtin", "vllm"])
+def test_sigterm_checkpoints_on_all_ranks_and_the_resume_skips_no_prompt(tiny_dir, tmp_path, engine):
     out = tmp_path / "run"
-    p = torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0)  # a round is out while steps 1-5 train
+    p = torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0, **engine)  # a round is out while steps 1-5 train
     deadline = time.time() + 300
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and
                                           '"step": 1' in (out / "metrics.jsonl").read_text()):
@@ -98,7 +99,7 @@ def test_sigterm_checkpoints_on_all_ranks_and_the_resume_skips_no_prompt(tiny_di
     assert "stopped by signal" in finish(p)
     stopped_at = max(r["step"] for r in run_metrics(out))
     assert stopped_at < 6 and (out / "checkpoints" / f"step_{stopped_at}" / "COMPLETE").exists()
-    finish(torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0))
+    finish(torchrun(tiny_dir, out, 2, 1, steps=6, save_freq=0, **engine))
     rows = run_metrics(out)
     assert [r["step"] for r in rows] == list(range(7))
     check_rounds(rows)  # the round in flight at the stop was drawn again after the resume, not lost
