@@ -601,7 +601,8 @@ class Trajectories:
     # [T] seq_reward - kl_coef * KL (use_kl_in_reward), else seq_reward
     seq_final_reward: torch.Tensor | None = None
     # [T, R] the policy version whose weights sampled each response token (after a partial rollout's weight
-    # update, the rest of a response comes from the newer version; padding: the version asked for)
+    # update, the rest of a response comes from the newer version; padding: the version asked for); the
+    # colocated loop drops it (every token there is the step's version)
     versions: torch.Tensor | None = None
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
@@ -711,11 +712,11 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
                                         for (p, _), t in zip(comps, texts)], should_stop=should_stop)
     rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
     mask = torch.zeros_like(rollout_logp)
-    versions = torch.full(rollout_logp.shape, version, dtype=torch.long)
+    versions = torch.full(rollout_logp.shape, version, dtype=torch.int32)
     for i, (_, c) in enumerate(comps):
         rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs) if c.logprobs is not None else math.nan
         mask[i, :len(c.token_ids)] = 1
-        versions[i, :len(c.token_ids)] = torch.tensor(token_versions[i], dtype=torch.long)
+        versions[i, :len(c.token_ids)] = torch.tensor(token_versions[i], dtype=torch.int32)
     score = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     answer_found = None  # a custom reward_fn need not say whether it found an answer
     if cfg.reward_fn is None:

@@ -351,6 +351,8 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
             engine.sleep()
     if run.stop.agreed(dims):  # every rank at the same point, whether its share finished or not
         raise StopRequested
+    if traj is not None:  # colocated, every token is `version`'s: nothing reads them, none travel
+        traj.versions = None
     mine = (traj, counts) if dims.rank % run.gen_tp == 0 else None  # the TP ranks of an engine hold copies
     routing = None
     if mine is not None and traj.routed_experts is not None:  # stays here: fetch_routing sends what is used
