@@ -51,21 +51,12 @@ class Bridge:
 
     def send(self, obj, dst: int) -> list:
         """Send a picklable obj to bridge rank dst without waiting -> the work handles (wait on them)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([data.numel()])
-        return [self.objects.send([size], dst, 0), self.objects.send([data], dst, 0)]
+        return parallel.send_object(obj, dst, group=self.objects)
 
     def recv(self, src: int, poll=None, poll_s: float = 0.1, wait: bool = True):
         """The next object bridge rank src sent; poll and wait as in parallel.receive (wait=False: NOT_YET
         until it has arrived)."""
-        return parallel.receive(("bridge", src), lambda: self._recv(src), poll, poll_s, wait)
-
-    def _recv(self, src: int):
-        size = torch.zeros(1, dtype=torch.int64)
-        self.objects.recv([size], src, 0).wait()
-        data = torch.empty(int(size), dtype=torch.uint8)
-        self.objects.recv([data], src, 0).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return parallel.recv_object(src, poll, poll_s, group=self.objects, wait=wait)
 
     def _broadcast(self, group, tensor):
         options = dist.BroadcastOptions()

@@ -509,11 +509,14 @@ def barrier(dims: ParallelDims):
         dist.barrier()
 
 
-def send_object(obj, dst: int) -> list:
+def send_object(obj, dst: int, group=None) -> list:
     """Send a picklable obj to rank dst without waiting -> the work handles (they hold the buffers: wait on
-    them)."""
+    them). group: a process-group object outside the default world (async_rollout.Bridge), dst its rank."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    return [dist.isend(torch.tensor([data.numel()]), dst), dist.isend(data, dst)]
+    size = torch.tensor([data.numel()])
+    if group is None:
+        return [dist.isend(size, dst), dist.isend(data, dst)]
+    return [group.send([size], dst, 0), group.send([data], dst, 0)]
 
 
 class _Receiver(threading.Thread):
@@ -532,7 +535,8 @@ class _Receiver(threading.Thread):
             self.error = e
 
 
-_receivers = {}  # (group, src) -> a _Receiver whose caller stopped waiting: the next receive takes its object
+# (id(group), src) -> a _Receiver whose caller stopped waiting: the next receive takes its object
+_receivers = {}
 NOT_YET = object()  # what a receive with wait=False returns while nothing has arrived
 
 
@@ -557,16 +561,21 @@ def receive(key, receive_fn, poll=None, poll_s: float = 0.1, wait: bool = True):
     return receiver.result
 
 
-def recv_object(src: int, poll=None, poll_s: float = 0.1):
-    """The next object that rank src sent with send_object; poll as in receive."""
-    return receive(("world", src), lambda: _recv_object(src), poll, poll_s)
+def recv_object(src: int, poll=None, poll_s: float = 0.1, group=None, wait: bool = True):
+    """The next object that rank src sent with send_object (group as there); poll and wait as in receive."""
+    return receive((id(group), src), lambda: _recv_object(src, group), poll, poll_s, wait)
 
 
-def _recv_object(src: int):
+def _recv_object(src: int, group=None):
+    def recv(t):
+        if group is None:
+            dist.recv(t, src)
+        else:
+            group.recv([t], src, 0).wait()
     size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src)
+    recv(size)
     data = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(data, src)
+    recv(data)
     return pickle.loads(data.numpy().tobytes())
 
 
@@ -758,14 +767,11 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
     bucket, size = [], 0
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):  # cast the shard, then gather: the all-gather moves dtype bytes, not fp32
-            mesh = p.device_mesh
-            if mesh.device_type == "cpu":
-                device = torch.device("cpu")
-            else:  # the accelerator, also for a shard that param_offload keeps on the host
+            mesh, local = p.device_mesh, p.to_local().detach()
+            if local.device.type != mesh.device_type:  # param_offload keeps the shard on the host
                 index = torch.get_device_module(mesh.device_type).current_device()
-                device = torch.device(mesh.device_type, index)
-            local = p.to_local().detach().to(device=device, dtype=dtype)
-            t = DTensor.from_local(local, mesh, p.placements, run_check=False, shape=p.shape,
+                local = local.to(torch.device(mesh.device_type, index))
+            t = DTensor.from_local(local.to(dtype), mesh, p.placements, run_check=False, shape=p.shape,
                                    stride=p.stride()).full_tensor()
         else:
             t = p.detach().to(dtype)

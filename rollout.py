@@ -156,7 +156,8 @@ class TorchEngine:
         out = []
         for s in range(0, len(prompts), per_wave):
             if out and any(c.finish_reason == "abort" for c in out[-1]):  # paused: the rest is not begun
-                out.append([Completion([], [], "abort") for _ in range(params.n)])
+                not_begun = prompts[s:s + per_wave]
+                out += [[Completion([], [], "abort") for _ in range(params.n)] for _ in not_begun]
                 continue
             out += self._generate_wave(prompts[s:s + per_wave], params, g, should_stop, should_pause,
                                        budgets[s:s + per_wave])
@@ -426,6 +427,7 @@ class VLLMEngine:
         self.llm = LLM(**kw)
         self.weights_version = None  # dummy weights
         self.awake = {"weights", "kv_cache"}
+        self.stepped_calls = 0  # _generate_stepwise's request ids are unique per call
         free_before = free_device_memory()
         self.sleep()
         # weights + KV cache: what waking up must find free
@@ -512,8 +514,8 @@ class VLLMEngine:
         are kept here."""
         engine = self.llm.llm_engine
         requests, sampling = self.requests(prompts, params, max_tokens, stepwise=True)
-        self.request_count = getattr(self, "request_count", 0) + 1
-        ids = [f"nanodapo-{self.request_count}-{i}" for i in range(len(requests))]
+        self.stepped_calls += 1
+        ids = [f"nanodapo-{self.stepped_calls}-{i}" for i in range(len(requests))]
         for rid, request, sp in zip(ids, requests, sampling):
             engine.add_request(rid, request, sp)
         tokens = {rid: [] for rid in ids}
@@ -664,10 +666,10 @@ def generate_resumable(engine, prompts: list[list[int]], params: SamplingParams,
     waiting) ends the generation early; pause.resume() loads them and returns their version; the unfinished
     responses then continue from the tokens they have (prompt + response so far, as a new prompt: the KV is
     computed again, by the new weights) until none is left unfinished.
-    -> (per prompt, params.n Completions; per completion, in the same flat order, each token's version)"""
+    -> (per prompt, params.n Completions; per completion, in the same flat order, each token's version, or
+    None without a pause: every token is `version`'s)"""
     if pause is None:
-        outs = engine.generate(prompts, params, version=version, should_stop=should_stop)
-        return outs, [[version] * len(c.token_ids) for cs in outs for c in cs]
+        return engine.generate(prompts, params, version=version, should_stop=should_stop), None
     outs = engine.generate(prompts, params, version=version, should_stop=should_stop,
                            should_pause=pause.requested)
     flat = [c for cs in outs for c in cs]
@@ -716,7 +718,8 @@ def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: S
     for i, (_, c) in enumerate(comps):
         rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs) if c.logprobs is not None else math.nan
         mask[i, :len(c.token_ids)] = 1
-        versions[i, :len(c.token_ids)] = torch.tensor(token_versions[i], dtype=torch.int32)
+        if token_versions is not None:
+            versions[i, :len(c.token_ids)] = torch.tensor(token_versions[i], dtype=torch.int32)
     score = torch.tensor([r["score"] for r in results], dtype=torch.float32)
     answer_found = None  # a custom reward_fn need not say whether it found an answer
     if cfg.reward_fn is None:

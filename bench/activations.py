@@ -91,7 +91,9 @@ for name, cfg in shapes():
     for compiled in (False, True):
         lo, hi = saved_bytes(cfg, args.layers_lo, compiled), saved_bytes(cfg, args.layers_hi, compiled)
         per_token = (hi - lo) / (args.layers_hi - args.layers_lo) / args.tokens
-        planned = plan.block_activation_bytes(cfg, 0, tp=1, compiled=compiled) * (4 if args.tiny else 2) / 2
+        planned = plan.block_activation_bytes(cfg, 0, tp=1, compiled=compiled)  # in bf16 bytes
+        if dtype == torch.float32:
+            planned *= 2
         mode = "compiled" if compiled else "eager"
         RES["rows"].append({"shape": name, "mode": mode, "hidden": cfg.hidden_size, "intermediate":
                             cfg.intermediate_size, "q": cfg.num_attention_heads * cfg.head_dim,

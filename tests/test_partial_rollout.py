@@ -51,9 +51,9 @@ def token_logprobs(policy, prompt, tokens):
     return logp[0, len(prompt) - 1:]
 
 
-def check_tokens_come_from_their_versions(outs, versions, policies, params):
-    flat = [(p, c) for p, cs in zip(PROMPTS, outs) for c in cs]
-    assert len(flat) == len(versions) == len(PROMPTS) * params.n
+def check_tokens_come_from_their_versions(outs, versions, policies, params, prompts=PROMPTS):
+    flat = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
+    assert len(outs) == len(prompts) and len(flat) == len(versions) == len(prompts) * params.n
     switched = 0
     for (prompt, c), v in zip(flat, versions):
         assert c.finish_reason in ("stop", "length") and 0 < len(c.token_ids) <= params.max_tokens
@@ -90,6 +90,19 @@ def test_the_built_in_engine_pauses_between_decode_steps_and_continues_on_the_ne
     assert switched == len(PROMPTS) * params.n
     assert all(v == [0] * 3 + [1] * 2 + [2] * 4 for v in versions)  # where the pauses came
     assert engine.weights_version == 2
+
+
+def test_a_pause_leaves_the_waves_not_begun_to_the_new_weights(tmp_path):
+    path = make_model_dir(tmp_path / "m", seed=5)
+    policies = policies_of(path, 2)
+    prompts = PROMPTS + [[20, 21, 22, 23]]
+    # max_num_seqs 4 with n=2: two prompts a wave, two waves
+    engine = R.TorchEngine(copy.deepcopy(policies[0]), max_num_seqs=4, use_cuda_graph=False, shares_weights=False)
+    params = R.SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=6, seed=4, ignore_eos=True)
+    pause = PauseAt(engine, policies[1:], at_calls=[3])  # in the first wave, before its decode step 2
+    outs, versions = R.generate_resumable(engine, prompts, params, version=0, pause=pause)
+    check_tokens_come_from_their_versions(outs, versions, policies, params, prompts)
+    assert versions == [[0] * 2 + [1] * 4] * 4 + [[1] * 6] * 4  # the second wave: all on the new weights
 
 
 def test_the_vllm_engine_aborts_between_steps_and_continues_on_the_new_weights(monkeypatch, tmp_path):
