@@ -462,12 +462,14 @@ def report_failure(e: Exception):
     else:
         first = claim_failure(rank)
     if first is None and is_peer_failure(e):
-        print(f"rank {rank}: stopped because another rank exited (killed, or out of memory?); its output "
-              "says why", file=sys.stderr)
+        line = (f"rank {rank}: stopped because another rank exited (killed, or out of memory?); its output "
+                "says why")
     elif first is None or first == rank:
-        print(f"error: {e}", file=sys.stderr)
+        line = f"error: {e}"
     else:
-        print(f"rank {rank}: stopped because rank {first} failed (its error is above)", file=sys.stderr)
+        line = f"rank {rank}: stopped because rank {first} failed (its error is above)"
+    sys.stderr.write(line + "\n")  # one write: print's separate newline let two ranks' lines run together
+    sys.stderr.flush()
 
 
 def shutdown():
