@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -692,14 +693,19 @@ def reduce_router_loads(router_loads: list, group) -> list:
     return list((local + (total - local.detach())).unbind(0))
 
 
+# Graphs dynamo may hold for one function before it leaves new shapes eager. Every block shares one cache:
+# the trainer's (training, checkpointed, no-grad) and the built-in engine's (prefill, decode) need 7 of them
+# on the CPU, the log-prob head 4 (tests/test_rollout.py counts them); twice that leaves room for variants
+# the CPU does not see (sequence parallelism, MoE routing). Dynamo's default, 8, is too few.
+RECOMPILE_LIMIT = 16
+
+
 def apply_compile(model, dynamic: bool | None = None):
     """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod
     prefix) and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one
     graph and compile time is that of one block. dynamic=True: shapes symbolic from the first call (the
     built-in engine's decode)."""
-    # one cache of graphs for every block of the process: the trainer's (train, no-grad) and the engine's
-    # (prefill, decode, and a few input variants of each) together need more than dynamo's default 8
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in model.model.layers:
         block.compile(dynamic=dynamic)
     model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy)
@@ -729,9 +735,11 @@ def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.
     """fully_shard each decoder block, then the root: fp32 master parameters, compute in param_dtype,
     gradients reduced in fp32 and summed, not averaged (the trainer's loss carries the one denominator).
     Inputs are not cast: RoPE's cos/sin stay fp32, and a cast could give an activation-checkpoint recompute
-    other dtypes."""
+    other dtypes. On a mesh of one nothing is resharded after forward (mesh_of_one)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    if fsdp_mesh.size() == 1:  # a gather is only a cast here: keep the weights it made (see accumulate_grads)
+        kw["reshard_after_forward"] = False
     units = []
     if expert_mesh is not None:
         # the expert stacks first, over efsdp, on dim 1 (EP splits dim 0)
@@ -742,6 +750,33 @@ def apply_fsdp(model, fsdp_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.
     for module in units:  # plain SUM collectives (gloo has no pre-multiplied sum)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
+
+
+def mesh_of_one(dims: ParallelDims) -> bool:
+    """FSDP over a single rank (one GPU, or TP alone): its all-gather is a cast of the fp32 shard to bf16 and
+    its reduce-scatter a copy, so the trainer keeps what they make for as long as it can (apply_fsdp,
+    accumulate_grads, reshard)."""
+    return dims.sharded and dims.fsdp_mesh.size() == 1
+
+
+def accumulate_grads(model, dims: ParallelDims, last: bool):
+    """Call before each micro-batch of a mini-batch; last: the one before the optimizer step. On a mesh of one
+    the bf16 weights stay gathered and the gradients accumulate unsharded in fp32 until the last backward: one
+    gather and one reduction an optimizer step instead of two gathers and one reduction a micro-batch. The
+    same sums in the same order (FSDP accumulates in reduce_dtype); elsewhere every backward reduces, so
+    that no rank holds a full gradient."""
+    if mesh_of_one(dims):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+
+
+def reshard(model, dims: ParallelDims):
+    """After no-grad forwards: on a mesh of one the gathered bf16 weights stayed (no backward frees them);
+    free them, and make the next gather read the fp32 weights the optimizer will have changed."""
+    if mesh_of_one(dims):
+        for unit in model.modules():  # FSDPModule.reshard is not recursive
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
 
 def parallelize(model, dims: ParallelDims, param_dtype=torch.bfloat16, offload: bool = False,
@@ -793,14 +828,33 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
 
 def clip_grad_norm_(parameters, max_norm: float) -> float:
     """Global grad-norm clipping over a mix of plain tensors and DTensors on different meshes (TP-sharded,
-    FSDP-sharded, 2-D), which torch's foreach version refuses. Returns the norm before clipping."""
+    FSDP-sharded, 2-D), which torch's foreach version refuses. Returns the norm before clipping. Works on the
+    local shards: one foreach norm and one all-reduce per kind of sharding, not a collective per parameter."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    norms = [g.detach().float().norm() for g in grads]
-    norms = [(n.full_tensor() if isinstance(n, DTensor) else n).double() for n in norms]
-    total = torch.stack(norms).square().sum().sqrt().item()  # one host sync for the whole model
+    groups = {}  # (device, mesh, the mesh dims sharding it) -> local gradients
+    pending = []  # gradients with a pending sum (TP's Partial placement): DTensor ops reduce them
+    for g in grads:
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            pending.append(g.detach())
+        elif isinstance(g, DTensor):
+            # Shard and _StridedShard (FSDP over TP; its is_shard() is False)
+            sharded_dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+            local = g.to_local().detach()
+            groups.setdefault((local.device, g.device_mesh, sharded_dims), []).append(local)
+        else:
+            groups.setdefault((g.device, None, ()), []).append(g.detach())
+    squares = [g.float().norm().full_tensor().double().square().cpu() for g in pending]
+    for (device, mesh, sharded_dims), tensors in groups.items():
+        sq = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+        for dim in sharded_dims:  # summed over the Shard dims: a Replicate dim holds copies
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+        squares.append(sq.cpu())
+    total = torch.stack(squares).sum().sqrt().item()
     if math.isfinite(total) and total > max_norm:
-        for g in grads:
-            g.detach().mul_(max_norm / (total + 1e-6))
+        scale = max_norm / (total + 1e-6)
+        for tensors in [*groups.values(), pending]:
+            if tensors:
+                torch._foreach_mul_(tensors, scale)
     return total

@@ -83,7 +83,10 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
         block_params.append(attn / tp + norms + mlp / tp)  # dense
     if n_moe > 0:
         block_params.append(attn / tp + norms + router + experts / ep)  # MoE
-    gib["working"] = 2 * w * (root + max(block_params)) / GiB
+    if fsdp == 1:  # a mesh of one keeps every weight gathered through a mini-batch (accumulate_grads)
+        gib["working"] = w * (per_gpu + max(block_params)) / GiB
+    else:
+        gib["working"] = 2 * w * (root + max(block_params)) / GiB
     seq = cfg.max_prompt_length + cfg.max_response_length
     tokens = (cfg.ppo_max_token_len_per_gpu * sp if cfg.use_dynamic_bsz
               else cfg.ppo_micro_batch_size_per_gpu * seq)

@@ -577,6 +577,7 @@ def compute_logprobs(model, traj: Trajectories, cfg: Config, dims) -> torch.Tens
     for mb in micro_batches(traj, mine, cfg.log_prob_micro_batch_size_per_gpu, budget, dims):
         logp, _ = sequence_logprobs(model, traj, mb, cfg, with_entropy=False, device=dims.device)
         out[mb] = logp.float().cpu()
+    parallel.reshard(model, dims)
     if dims.dp > 1:
         for idx, part in parallel.all_gather_objects((mine, out[mine]), dims):
             out[idx] = part
@@ -613,7 +614,8 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
             optimizer.zero_grad(set_to_none=True)
             finite = torch.ones((), dtype=torch.bool, device=device)
             mbs = micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims)
-            for mb in mbs:
+            for i, mb in enumerate(mbs):
+                parallel.accumulate_grads(model, dims, last=i == len(mbs) - 1)
                 mask = traj.response_mask[mb].to(device)
                 mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
                 router_loads = [] if router_aux else None

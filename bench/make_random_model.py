@@ -5,6 +5,7 @@ runs without downloads (a random model rarely samples EOS: every response runs t
     python bench/make_random_model.py /tmp/q15 --shape qwen2.5-1.5b
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -20,8 +21,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(hf.KNOWN_CONFIGS))
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (the shape cut)")
     a = ap.parse_args()
     cfg = model_config(a.shape)
+    if a.layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers)
     write_random_model(os.path.join(a.out, "model"), cfg, parallel.get_device())
     data.write_parquet(make_arith_rows(2000, "train", seed=0), os.path.join(a.out, "train.parquet"))
     data.write_parquet(make_arith_rows(64, "val", seed=0), os.path.join(a.out, "val.parquet"))

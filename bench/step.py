@@ -35,6 +35,7 @@ p.add_argument("--sides", default="nanodapo_torch,trl",
                     "awake: free_cache_engine=False), trl, trl_bf16, trl_vllm")
 p.add_argument("--work", default="/tmp/nanodapo_step", help="model, prompts, configs, logs, run outputs")
 p.add_argument("--shape", default="qwen2.5-1.5b")
+p.add_argument("--layers", type=int, default=None, help="the shape cut to its first N decoder layers")
 p.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
 p.add_argument("--n", type=int, default=8, help="responses per prompt (G)")
 p.add_argument("--prompt-len", type=int, default=256)
@@ -247,8 +248,10 @@ def prepare():
         if args.tiny:
             write_random_model(MODEL, model_config(args.shape, tiny=True), "cpu")
         else:  # a child process: the GPU is the trainers' alone
-            rc, dt, tail = run([sys.executable, "bench/make_random_model.py", args.work, "--shape", args.shape],
-                               os.path.join(args.work, "make_model.log"), timeout=side_timeout())
+            cmd = [sys.executable, "bench/make_random_model.py", args.work, "--shape", args.shape]
+            if args.layers:
+                cmd += ["--layers", str(args.layers)]
+            rc, dt, tail = run(cmd, os.path.join(args.work, "make_model.log"), timeout=side_timeout())
             if rc != 0:
                 raise RuntimeError("make_random_model failed:\n" + "\n".join(tail))
     tok = data.Tokenizer.from_pretrained(MODEL)

@@ -10,6 +10,8 @@
   sp_replay             a tiny MoE, sp=2: forward + backward with router replay (a fixed routing)
   update_one            the same on one rank with a mesh of one (FSDP over one device, as on one GPU)
   bf16_one              a mesh of one computing in bf16 over fp32 master weights: one forward + backward
+  accumulate_one        the same mesh: three micro-batches' gradients reduced after every backward, then
+                        accumulated unsharded (parallel.accumulate_grads); which weights are sharded when
   save | load           a train_dapo-style checkpoint written / read at this world size
   routing               router replay's rows fetched by each rank from the ranks that generated them
   ep2 | ep4 | ep2_fsdp | moe_fsdp | moe_tp | ep2_compile
@@ -58,6 +60,43 @@ def train_steps(model, opt, dims, steps=3):
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def accumulation(model, dims):
+    """A mesh of one, three micro-batches: the gradients reduced after every backward (FSDP's default) and
+    accumulated unsharded until the last (parallel.accumulate_grads); whether every weight is back to its
+    fp32 shard after the last backward, and after no-grad forwards and parallel.reshard."""
+    from torch.distributed.tensor import DTensor
+    micro = [batch(seed) for seed in range(3)]
+
+    def sharded():
+        return all(isinstance(p, DTensor) for p in model.parameters())
+
+    def grads(accumulate):
+        for i, docs in enumerate(micro):
+            if accumulate:
+                parallel.accumulate_grads(model, dims, last=i == len(micro) - 1)
+            ids, pos, b = M.pack_sequences([d[:-1] for d in docs])
+            logp, _ = model(ids, pos, b, target_ids=torch.tensor([t for d in docs for t in d[1:]])[None])
+            (-logp.sum()).backward()
+            if i == 0:
+                between = sharded()
+        out = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out, between
+
+    out = {}
+    out["each_backward"], out["sharded_between_each"] = grads(False)
+    out["accumulated"], out["sharded_between_accumulated"] = grads(True)
+    out["sharded_after_backward"] = sharded()
+    with torch.no_grad():
+        for docs in micro:
+            ids, pos, b = M.pack_sequences([d[:-1] for d in docs])
+            model(ids, pos, b)
+    out["sharded_after_no_grad"] = sharded()
+    parallel.reshard(model, dims)
+    out["sharded_after_reshard"] = sharded()
+    return out
 
 
 AUX_COEF = 0.5  # large, so that a wrong router gradient shows
@@ -170,7 +209,7 @@ def main(mode, ckpt_dir, out):
     sp = {"sp": 2, "sp_tp": 2, "sp4": 4, "sp_compile": 2, "update_sp": 2, "sp_replay": 2}.get(mode, 1)
     ep = int(mode[2]) if mode.startswith("ep") else 1
     dims = parallel.init_distributed("cpu", tp=2 if "tp" in mode else 1, sp=sp, ep=ep, mesh_of_one=mode.endswith("one"))
-    dtype = torch.bfloat16 if mode == "bf16_one" else torch.float32  # compute dtype; master weights stay fp32
+    dtype = torch.bfloat16 if mode in ("bf16_one", "accumulate_one") else torch.float32  # compute dtype; master weights stay fp32
     shard = (lambda m: parallel.apply_tp(m, dims.mesh["tp"])) if mode == "tp" else \
         (lambda m: parallel.parallelize(m, dims, param_dtype=dtype, compile=mode.endswith("compile"))) \
         if dims.sharded else None
@@ -186,6 +225,8 @@ def main(mode, ckpt_dir, out):
         result.update(replay_forward_backward(model))
     elif mode == "bf16_one":
         result.update(forward_backward(model, dims))
+    elif mode == "accumulate_one":
+        result.update(accumulation(model, dims))
     elif mode in ("sp", "sp_tp", "sp4", "sp_compile"):
         model.gradient_checkpointing = True  # backward then recomputes the all-to-alls
         result.update(forward_backward(model, dims))

@@ -166,11 +166,12 @@ def test_memory_plan_refuses_a_mesh_that_does_not_divide():
 
 def test_memory_plan_single_gpu_is_fsdp_over_a_mesh_of_one():
     # world size 1: FSDP over one GPU holds full fp32 params, grads and AdamW states (offload moves them to the
-    # host), gathers bf16 blocks one at a time, and the built-in engine decodes its own bf16 copy
+    # host), keeps every bf16 weight gathered through a mini-batch, and the built-in engine decodes its own bf16
+    # copy
     b = plan_bytes(plan.memory_plan(planner_cfg(tp_size=1), planner_model(), 1, 80, runtime_gib=0))
     assert (b["params"], b["grads"], b["optimizer"]) == (4 * 202_304, 4 * 202_304, 8 * 202_304)
-    # 2 x bf16 x (root 128,064 + one whole block 37,120); the engine's copy: 2 bytes x P
-    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (4 * 165_184, 2 * 202_304, 526_336)
+    # bf16 x (all P + one whole block's gradients 37,120); the engine's copy: 2 bytes x P
+    assert (b["working"], b["engine_weights"], b["kv_cache"]) == (2 * (202_304 + 37_120), 2 * 202_304, 526_336)
     p = plan.memory_plan(planner_cfg(tp_size=1, param_offload=True), planner_model(), 1, 80, runtime_gib=0)
     assert p["gib"]["params"] == p["gib"]["grads"] == p["gib"]["optimizer"] == 0
     assert round(p["host_gib"] * GiB) == 16 * 202_304

@@ -180,6 +180,21 @@ def test_mesh_of_one_computes_in_bf16_over_fp32_master_weights(model_dir, tmp_pa
 
 
 @pytest.mark.slow  # torchrun
+def test_mesh_of_one_accumulates_unsharded_with_the_same_sums(model_dir, tmp_path):
+    """One GPU keeps its bf16 weights gathered and its gradients unsharded across a mini-batch's micro-batches:
+    the gradients are those of a reduction after every backward, bit for bit, and every weight is back to its
+    fp32 shard after the last backward and after no-grad forwards once resharded (else the next forward
+    would read weights from before the optimizer step)."""
+    torchrun_dist_check(1, "accumulate_one", model_dir, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")
+    for name, g in got["each_backward"].items():
+        assert g.dtype == torch.float32 and torch.equal(got["accumulated"][name], g), name
+    assert got["sharded_between_each"] and not got["sharded_between_accumulated"]  # gathered once, kept
+    assert got["sharded_after_backward"] and got["sharded_after_reshard"]
+    assert not got["sharded_after_no_grad"]  # the mesh of one keeps what a forward gathered
+
+
+@pytest.mark.slow  # torchrun
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_router_replay_rows_reach_only_the_ranks_that_train_on_them(model_dir, tmp_path, nproc):
     """Routing stays on the rank that generated it; each rank receives exactly the rows of its own update and

@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import model as M
+import parallel
 import rollout as R
 from conftest import compile_unavailable
 
@@ -162,3 +163,36 @@ def test_compiled_engine_matches_the_eager_one():
                 assert max(abs(a - b) for a, b in zip(c.logprobs, e.logprobs)) <= 1e-4
     assert any(len(c.token_ids) < 9 for cs in out for c in cs)  # some rows stopped early
     assert 2 <= counters["stats"]["unique_graphs"] - graphs < 6
+
+
+@pytest.mark.slow  # torch.compile (Inductor)
+def test_trainer_and_engine_graphs_fit_the_recompile_limit():
+    """One process compiling as one GPU does: the trainer's blocks (training with the first block checkpointed,
+    no-grad log-probs) and the built-in engine's (prefill, decode) share the blocks' cache of graphs. Over three
+    sets of lengths, the third compiles nothing new, and each cache holds at most half of
+    parallel.RECOMPILE_LIMIT (what the limit's comment states)."""
+    if (why := compile_unavailable()) is not None:
+        pytest.skip(why)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()  # other tests' graphs out of the caches counted
+    m = tiny_model(3, vocab=16, layers=3).train()
+    parallel.apply_compile(m, dynamic=True)
+    m.gradient_checkpointing = 1
+    engine = R.TorchEngine(m, compile=True, shares_weights=True)
+    g = torch.Generator().manual_seed(0)
+    new_graphs = []
+    for k in range(3):  # fewer and longer documents each time; the engine's batch and prompt sizes change too
+        docs = [torch.randint(0, 16, (4 + 3 * k + i,), generator=g).tolist() for i in range(4 - k)]
+        before = counters["stats"]["unique_graphs"]
+        ids, pos, batch = M.pack_sequences([d[:-1] for d in docs])
+        target = torch.tensor([t for d in docs for t in d[1:]])[None]
+        logp, _ = m(ids, pos, batch, target_ids=target, with_entropy="detached")
+        logp.sum().backward()
+        with torch.no_grad():
+            m(ids, pos, batch, target_ids=target)
+        engine.generate([d[:2 + k] for d in docs], R.SamplingParams(n=2, max_tokens=4 + k, seed=k))
+        new_graphs.append(counters["stats"]["unique_graphs"] - before)
+    entries = {f.__qualname__: len(_debug_get_cache_entry_list(f.__code__))
+               for f in (M.DecoderLayer.forward, M._chunk_logprob_entropy)}
+    assert new_graphs[0] > 0 and new_graphs[2] == 0, new_graphs
+    assert 0 < max(entries.values()) <= parallel.RECOMPILE_LIMIT // 2, entries
