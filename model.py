@@ -673,10 +673,12 @@ class Transformer(nn.Module):
             return F.linear(h.flatten(0, 1)[logits_at], self.output_weight)
         if target_ids is None:
             return F.linear(h, self.output_weight)
-        # computed here (inside forward) so FSDP has the output weight unsharded
+        # computed here (inside forward) so FSDP has the output weight unsharded. Compiled, with every block's
+        # activations kept (no checkpointing), the head keeps its bf16 logits too instead of recomputing them
+        keep_logits = not self.gradient_checkpointing and self.logprob_chunk_fn is not None
         logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.output_weight, target_ids.flatten(),
                                                temperature, logprob_chunk, with_entropy,
-                                               self.logprob_chunk_fn)
+                                               self.logprob_chunk_fn, recompute=not keep_logits)
         if sp_group is not None:  # every rank gets the whole row (padding dropped), hence the same loss
             logp = _GatherTokens.apply(logp, sp_group)[:T]
             if ent is not None:
@@ -703,13 +705,15 @@ def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy:
 
 
 def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
-                               with_entropy: bool | str = False, chunk_fn=None):
+                               with_entropy: bool | str = False, chunk_fn=None, recompute: bool = True):
     """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32, of
     logits / temperature (what the rollout engines sample from). Under autograd each chunk is recomputed in
-    backward, so only one chunk of fp32 logits exists at any time. with_entropy="detached": the entropy
-    without a gradient. chunk_fn: _chunk_logprob_entropy or a compiled copy of it."""
+    backward (recompute=True), so only one chunk of fp32 logits exists at any time; recompute=False keeps
+    what backward needs of every chunk (compiled: the bf16 logits, 2 bytes a token and vocabulary entry).
+    with_entropy="detached": the entropy without a gradient. chunk_fn: _chunk_logprob_entropy or a compiled
+    copy of it."""
     fn = chunk_fn or _chunk_logprob_entropy
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+    if recompute and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fn = functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)
     parts = []  # (logp, entropy or None) per chunk
     for s in range(0, hidden.shape[0], chunk):

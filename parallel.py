@@ -78,6 +78,11 @@ def max_memory_allocated_gib(device: torch.device) -> float:
     return torch.get_device_module(device.type).max_memory_allocated() / 2**30
 
 
+def host_memory_gib() -> float:
+    """This machine's physical memory, in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)

@@ -27,7 +27,7 @@ MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / g
     "working": ("training", "unsharded compute-dtype weights"),
     "activations": ("training", "activations of one micro-batch"),
     "a2a_buffers": ("training", "EP all-to-all send + receive rows"),
-    "logprob_buffer": ("training", "fp32 logits of one logprob_chunk"),
+    "logprob_buffer": ("training", "fp32 logits of one logprob_chunk (+ kept bf16 logits)"),
     "kv_cache": ("generation", "KV cache of the built-in engine"),
     "vllm_asleep": ("resident", "vLLM asleep (graph pool, allocator)"),
     "vllm_awake": ("generation", "vLLM awake: utilization x GPU"),
@@ -100,6 +100,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib["activations"] = acts / GiB
     gib["a2a_buffers"] = 2 * local * k * h * w / GiB if ep > 1 else 0.0
     gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
+    if n_ckpt == 0 and cfg.compile is not False:  # the compiled head then keeps every token's bf16 logits
+        gib["logprob_buffer"] += local * m.vocab_size * 2 / GiB
     rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
     kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
     gib["kv_cache"] = rows * rollout.cache_positions(seq) * kv_token / GiB
@@ -156,6 +158,19 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+def check_host_memory(cfg, model_cfg, world_size: int, ranks_on_node: int, host_gib: float, engine: str):
+    """param_offload / optimizer_offload keep each rank's fp32 weights, gradients and AdamW states in host
+    memory: refuse, before anything is loaded, a run whose ranks on one node would need more than 90% of it
+    (the OOM killer would end it mid-step; the rest is the processes' own)."""
+    per_rank = memory_plan(cfg, model_cfg, world_size, 80.0, engine=engine)["host_gib"]
+    if per_rank * ranks_on_node > 0.9 * host_gib:
+        raise ConfigError(
+            f"param_offload / optimizer_offload: the offloaded fp32 weights, gradients and AdamW states take "
+            f"{per_rank:.1f} GiB of host memory per GPU, {per_rank * ranks_on_node:.1f} GiB for the "
+            f"{ranks_on_node} GPU(s) on this node, which has {host_gib:.0f} GiB (at most 90% of it can go to "
+            "them); shard them over more GPUs (n_gpus_per_node, nnodes) or train a smaller model")
 
 
 def block_activation_bytes(m, layer: int, tp: int = 1, compiled: bool = True) -> float:

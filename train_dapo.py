@@ -40,7 +40,7 @@ import reward
 from checkpoint import CheckpointError, fault_point
 from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
-from hf import from_pretrained
+from hf import from_pretrained, load_config
 from model import load_balancing_loss, pack_sequences
 from parallel import StopFlag, StopRequested, report_failure
 from async_rollout import Bridge, RolloutQueue, gen_batches_ahead, serve_rollouts
@@ -935,6 +935,11 @@ def setup(cfg: Config) -> Run:
         return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
                    sampler=sampler, scorer=scorer, engine=engine, gen_tp=cfg.gen_tp,
                    compute_dtype=compute_dtype, log=log)
+
+    if cfg.param_offload or cfg.optimizer_offload:
+        plan.check_host_memory(cfg, load_config(cfg.model_path), dims.world_size,
+                               int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parallel.host_memory_gib(),
+                               engine_kind)
 
     # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
     # sleeps (weights and cache released) until the first rollout

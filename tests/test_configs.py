@@ -122,6 +122,29 @@ def test_memory_plan_offload_moves_states_to_the_host():
     assert round(r["host_gib"] * GiB) == 20 * 41_328 and r["gib"]["ref_params"] == 0
 
 
+def test_memory_plan_counts_the_kept_logits_of_a_compiled_head_without_checkpointing():
+    """Compiled and without checkpointing, the head keeps every token's bf16 logits: 2 x 128 tokens x 1000 vocab on
+    top of a chunk's fp32 buffers; checkpointed or eager, each chunk is recomputed."""
+    chunk = 16 * 1000 * 12
+    for kw, kept in ((dict(compile=True, gradient_checkpointing=False), 2 * 128 * 1000),
+                     (dict(compile=True, gradient_checkpointing=1), 0),
+                     (dict(compile=False, gradient_checkpointing=False), 0)):
+        b = plan_bytes(plan.memory_plan(planner_cfg(**kw), planner_model(), 8, 80, runtime_gib=0))
+        assert b["logprob_buffer"] == chunk + kept, kw
+
+
+def test_offload_that_would_fill_the_host_is_refused_before_loading():
+    """Qwen2.5-7B's fp32 weights, gradients and AdamW states: 16 bytes x 7.62B = 113.5 GiB a GPU on one, which
+    a 125 GiB host cannot give (90% is 112.5); 4 GPUs of a node in a world of 8 need 4 x 14.2 GiB."""
+    mc = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen2.5-7b"])
+    cfg = planner_cfg(param_offload=True, optimizer_offload=True, tp_size=1)
+    for world, on_node in ((1, 1), (2, 2)):
+        with pytest.raises(config.ConfigError, match=r"113\.5 GiB for the \d GPU\(s\) on this node, which has 125 GiB"):
+            plan.check_host_memory(cfg, mc, world, on_node, 125.0, "vllm")
+    plan.check_host_memory(cfg, mc, 8, 4, 125.0, "vllm")  # 56.8 GiB on each node
+    plan.check_host_memory(planner_cfg(tp_size=1), mc, 1, 1, 125.0, "vllm")  # nothing offloaded
+
+
 def test_memory_plan_without_checkpointing_keeps_every_block():
     p = plan.memory_plan(planner_cfg(gradient_checkpointing=False), planner_model(), 8, gpu_gib=1e-4, runtime_gib=0)
     assert round(p["gib"]["activations"] * GiB) == 2 * 128 * 1_792

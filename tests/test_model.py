@@ -157,6 +157,25 @@ def test_logprob_gradients_match_unchunked():
     assert torch.allclose(g_h, h.grad, atol=1e-5) and torch.allclose(g_w, w.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_entropy", [False, "detached", True])
+def test_logprob_chunks_kept_or_recomputed_give_the_same_gradients(with_entropy):
+    """recompute=False (a compiled head without checkpointing) keeps what backward needs instead of recomputing
+    each chunk: the same log-probs, entropy and gradients."""
+    torch.manual_seed(2)
+    h = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 30, (20,))
+    outs = []
+    for recompute in (True, False):
+        logp, ent = M.token_logprobs_and_entropy(h, w, t, 0.7, 6, with_entropy, recompute=recompute)
+        loss = logp.sum() + (ent.sum() if with_entropy is True else 0.0)
+        loss.backward()
+        outs.append((logp.detach(), None if ent is None else ent.detach(), h.grad.clone(), w.grad.clone()))
+        h.grad = w.grad = None
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_forward_with_targets_equals_logits_path():
     cfg = M.ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=40, hidden_size=32, intermediate_size=48,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)

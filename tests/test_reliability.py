@@ -398,6 +398,17 @@ def test_explicit_resume_path_to_a_corrupt_checkpoint_is_one_line(tiny_dir, tmp_
     assert f"cannot resume from {run / 'checkpoints' / 'step_1'}: dcp/{shard.name} is truncated" in err
 
 
+def test_offload_that_would_fill_the_host_stops_before_the_model_loads(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(parallel, "host_memory_gib", lambda: 1e-6)
+    loaded = []
+    monkeypatch.setattr(T, "from_pretrained", lambda *a, **k: loaded.append(1))
+    run = tmp_path / "run"
+    assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1, param_offload=True)) == 2
+    err = capsys.readouterr().err
+    assert "GiB of host memory per GPU" in err and "shard them over more GPUs" in err, err
+    assert not loaded and not (run / "metrics.jsonl").exists()
+
+
 def test_resume_disable_refuses_an_earlier_runs_checkpoints(tiny_dir, tmp_path, capsys):
     run = tmp_path / "run"
     assert T.main(trainer_argv(tiny_dir, run, total_training_steps=1)) == 0

@@ -79,7 +79,8 @@ def test_parallel_dims_rank_layout():
 
 
 @pytest.mark.slow  # torch.compile (Inductor)
-def test_compiled_blocks_match_eager():
+@pytest.mark.parametrize("checkpointing", [True, False])  # without: the compiled head keeps its logits
+def test_compiled_blocks_match_eager(checkpointing):
     reason = compile_unavailable()
     if reason:
         pytest.skip(f"torch.compile unusable on this CPU: {reason}")
@@ -94,7 +95,7 @@ def test_compiled_blocks_match_eager():
         out = {}
         for name, m in (("eager", eager), ("compiled", compiled)):
             m.zero_grad()
-            m.gradient_checkpointing = True
+            m.gradient_checkpointing = checkpointing
             logp, ent = m(ids, pos, M.pack_sequences([d[:-1] for d in docs])[2], target_ids=tgt, with_entropy=True)
             (-logp.mean() - ent.mean()).backward()
             out[name] = logp.detach(), {n: p.grad for n, p in m.named_parameters()}
