@@ -272,8 +272,9 @@ def balanced_micro_batches(lengths, max_token_len, min_num_micro_batches=1):
 # -----------------------------------------------------------------------------
 # tokenizer + chat template (tokenizers and jinja2; renders like transformers' apply_chat_template)
 
-def _read_json(path):
-    """A model directory's JSON file as a dict; {} when the file is absent."""
+def read_json(path):
+    """A model directory's JSON file as a dict; {} when the file is absent (hf.py reads config.json with it
+    too)."""
     if not os.path.isfile(path):
         return {}
     try:
@@ -320,7 +321,7 @@ class Tokenizer:
                             "is corrupt or truncated (copy it again from the model's source), or was written "
                             "by a newer tokenizers (pip install -U tokenizers)") from None
         tc_path = os.path.join(path, "tokenizer_config.json")
-        tc = _read_json(tc_path)
+        tc = read_json(tc_path)
         # the chat template: tokenizer_config.json's, unless the directory has a chat_template.jinja
         template, template_file = tc.get("chat_template"), f"{tc_path} 'chat_template'"
         if isinstance(template, list):  # named templates: take "default"
@@ -332,9 +333,9 @@ class Tokenizer:
         special = {k: tc.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         # a special token given as an AddedToken dict -> its content string
         special = {k: t.get("content") if isinstance(t, dict) else t for k, t in special.items()}
-        generation_config = _read_json(os.path.join(path, "generation_config.json"))
+        generation_config = read_json(os.path.join(path, "generation_config.json"))
         eos = _eos_token_ids(tok, special["eos_token"], generation_config,
-                             _read_json(os.path.join(path, "config.json")))
+                             read_json(os.path.join(path, "config.json")))
         if not eos:
             raise DataError(
                 f"no stop token in {path!r}: tokenizer_config.json's eos_token {special['eos_token']!r} is "

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from data import read_json
 from model import ModelConfig, Transformer
 
 # The published config.json fields that ModelConfig.from_hf reads, keyed by the lower-cased model directory
@@ -119,22 +120,13 @@ def copy_hf_tensor(p: torch.Tensor, ix: tuple, t: torch.Tensor):
         p.to_local()[tuple(dst)].copy_(t.reshape([s.stop - s.start for s in box])[tuple(src)])
 
 
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); copy the file again from the model's "
-                         "source") from None
-
-
 def load_config(path: str) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"no config.json in model directory {path!r}; model_path must be an HF model "
                                 "directory (config.json + *.safetensors), e.g. one saved by save_pretrained")
     try:
-        return ModelConfig.from_hf(_read_json(cfg_path))
+        return ModelConfig.from_hf(read_json(cfg_path))
     except KeyError as e:
         raise ValueError(f"{cfg_path} has no {e.args[0]!r}; an HF config.json of a supported architecture "
                          "has it (copy the file again from the model's source)") from None
@@ -145,7 +137,7 @@ def load_config(path: str) -> ModelConfig:
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        files = sorted({os.path.join(path, f) for f in _read_json(index)["weight_map"].values()})
+        files = sorted({os.path.join(path, f) for f in read_json(index)["weight_map"].values()})
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise FileNotFoundError(f"{index} lists {len(missing)} shard(s) that are not in {path!r}, e.g. "
