@@ -4,7 +4,8 @@ Checkpoints: save, all-or-nothing resume, the HF export, and the out_dir lock.
 A checkpoint is the directory out_dir/checkpoints/step_N/ holding
     dcp/                 the model and optimizer shards
                          (torch.distributed.checkpoint: reloadable at any world size)
-    trainer_state.pt     step, lr scheduler, prompt sampler and every rank's RNG state
+    trainer_state.pt     step, lr scheduler, prompt sampler and every rank's RNG state; whether the step's
+                         validation is still to run (a stop cut it short)
     config.json, *.safetensors, tokenizer files
                          an HF model directory of the policy (usable as a model_path, by transformers or vLLM)
     COMPLETE             written last

@@ -734,7 +734,7 @@ def train(cfg: Config):
     if run.dims.is_generator:
         return serve_rollouts(run, cfg)
     model, optimizer, scheduler, dims, log = run.model, run.optimizer, run.scheduler, run.dims, run.log
-    step = restore(cfg, run)
+    step, val_pending = restore(cfg, run)
     run.rollouts = None  # async mode: gen batches asked of the generator ranks
     if cfg.rollout_gpus:
         run.rollouts = RolloutQueue(run, cfg, step, train_params(cfg, run.tokenizer, seed=None))
@@ -750,14 +750,16 @@ def train(cfg: Config):
             f"{json.dumps(plan.batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
     version = step  # the policy's weight version: an engine holding another refuses to generate
     stopping = False
-    if run.val_prompts and cfg.val_before_train and step == 0:
+    # before training, or the resumed step's validation that a stop cut short (it joins that step's row)
+    if run.val_prompts and ((cfg.val_before_train and step == 0) or val_pending):
         try:
             metrics = validate(run, cfg, version, step)
             if dims.is_main:
                 logger.log(step, metrics)
         except StopRequested:
             stopping = True
-            log("stopped by signal during the validation before training; nothing was trained")
+            what = f"of step {step}" if step else "before training"
+            log(f"stopped by signal during the validation {what}; nothing was trained")
     consecutive_skips = 0
     while step < run.total_steps and not stopping:
         t_step = time.perf_counter()
@@ -811,12 +813,13 @@ def train(cfg: Config):
         metrics.update(rollout_metrics(generated, num_gen_batches, counts, cfg))
         metrics["sampler/epoch"] = run.sampler.epoch
         last = step == run.total_steps
+        val_pending = False
         if run.val_prompts and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or last):
             try:
                 with timed("testing", timing):
                     metrics.update(validate(run, cfg, version, step))
             except StopRequested:
-                pass  # the step is trained: logged (without val/) and checkpointed below
+                val_pending = True  # the step is trained and checkpointed; the resumed run validates it
         timing = step_timing(timing, t_step, colocated=run.rollouts is None)
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})  # verl's names
         metrics.update(perf_metrics(batch, timing["step"], dims, cfg))
@@ -827,9 +830,10 @@ def train(cfg: Config):
         bar.update(1)
         stopping = stop.agreed(dims)
         if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or (last and cfg.save_freq >= 0) or stopping:
-            save_checkpoint(cfg, run, step)
+            save_checkpoint(cfg, run, step, val_pending)
         if stopping:
-            log(f"stopped by signal after step {step}; its checkpoint was written "
+            cut = " (its validation was cut short: the resumed run runs it first)" if val_pending else ""
+            log(f"stopped by signal after step {step}{cut}; its checkpoint was written "
                 f"{stop.seconds_since():.1f} s after the signal; resume with resume='auto'")
     bar.close()
     if run.rollouts is not None:
@@ -1034,25 +1038,27 @@ def load_prompts(cfg: Config, tokenizer, files: list[str], max_samples: int) -> 
                              chat_template_kwargs=cfg.chat_template_kwargs)
 
 
-def restore(cfg: Config, run: Run) -> int:
+def restore(cfg: Config, run: Run) -> tuple[int, bool]:
     """Load the checkpoint cfg.resume names ('auto': the newest usable one in out_dir) into the policy,
-    optimizer, scheduler and sampler -> the step it holds (0 = a fresh start).
+    optimizer, scheduler and sampler -> (the step it holds (0 = a fresh start), whether that step's
+    validation is still to run: a stop cut it short).
     checkpoint.resume_state says what all-or-nothing means."""
     state = checkpoint.resume_state(cfg.resume, cfg.out_dir, run.model, run.optimizer, run.dims, run.log)
     if state is None:
-        return 0
+        return 0, False
     run.scheduler.load_state_dict(state["scheduler"])
     run.sampler.load_state_dict(state["sampler"])
     checkpoint.apply_optimizer_knobs(cfg, run.optimizer, run.scheduler, run.log)
-    return state["step"]
+    return state["step"], state.get("val_pending", False)  # absent from older checkpoints
 
 
-def save_checkpoint(cfg: Config, run: Run, step: int):
+def save_checkpoint(cfg: Config, run: Run, step: int, val_pending: bool = False):
     """Checkpoint (sharded model + optimizer, trainer state, an HF export), written atomically;
-    prune old ones."""
+    prune old ones. val_pending: a stop cut the step's validation short, the resumed run runs it."""
     if step == 0 or cfg.save_freq < 0:  # nothing trained yet, or checkpoints are off
         return
-    state = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": sampler_state(run)}
+    state = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": sampler_state(run),
+             "val_pending": val_pending}
     t0 = time.perf_counter()
     checkpoint.save(cfg.out_dir, step, run.model, run.optimizer, state, run.dims, dtype=run.compute_dtype,
                     model_path=cfg.model_path, keep_last=cfg.keep_last)
@@ -1173,17 +1179,24 @@ def read_metrics(path: str) -> list[dict]:
     return rows
 
 
+def write_metrics(path: str, rows: list[dict]):
+    """Replace a metrics.jsonl with rows; a crash mid-write leaves the old file."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+
+
 class Logger:
     """console + out_dir/metrics.jsonl always; tensorboard / wandb / mlflow when listed."""
 
     def __init__(self, cfg: Config, resumed_step: int = 0):
         self.cfg, self.backends = cfg, {}
-        path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        if os.path.isfile(path):  # after a resume, drop rows of steps that will be run again
-            rows = [r for r in read_metrics(path) if r.get("step", 0) <= resumed_step]
-            with open(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-        self.jsonl = open(path, "a")
+        self.path, self.last_step = os.path.join(cfg.out_dir, "metrics.jsonl"), None
+        if os.path.isfile(self.path):  # after a resume, drop rows of steps that will be run again
+            rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= resumed_step]
+            write_metrics(self.path, rows)
+            self.last_step = rows[-1].get("step") if rows else None
+        self.jsonl = open(self.path, "a")
         for name in cfg.logger:
             if name == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
@@ -1199,8 +1212,18 @@ class Logger:
                 self.backends[name] = mlflow
 
     def log(self, step: int, metrics: dict):
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
+        """A row of metrics.jsonl; metrics for the last row's step (its validation, run at resume) join that
+        row: one row per step, as in an uninterrupted run."""
+        if step == self.last_step:
+            self.jsonl.close()
+            rows = read_metrics(self.path)
+            rows[-1].update(metrics)
+            write_metrics(self.path, rows)
+            self.jsonl = open(self.path, "a")
+        else:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
+        self.last_step = step
         for k, v in metrics.items() if "tensorboard" in self.backends else ():
             self.backends["tensorboard"].add_scalar(k, v, step)
         if "wandb" in self.backends:

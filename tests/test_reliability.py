@@ -364,6 +364,30 @@ def test_sigterm_checkpoints_and_exits_zero_then_resumes(tiny_dir, tmp_path, uni
     assert run_metrics(out) == uninterrupted
 
 
+@pytest.mark.parametrize("stop_at", [2, 3])  # step 2 validates (test_freq=2); step 3 is the last one
+def test_sigterm_during_an_update_then_resume_validates_that_step(tiny_dir, tmp_path, capsys, monkeypatch,
+                                                                  stop_at):
+    """A signal once a step is updating: the step finishes and is checkpointed, but the signal cuts its
+    validation short; the resumed run validates it, so the metrics match the uninterrupted run's."""
+    over = dict(total_training_steps=3, save_freq=0)
+    reference = tmp_path / "reference"
+    assert T.main(trainer_argv(tiny_dir, reference, **over)) == 0
+    update, calls = T.update_policy, []
+
+    def update_then_signal(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == stop_at:  # the update runs to its end: the signal is seen after it
+            os.kill(os.getpid(), signal.SIGTERM)
+        return update(*args, **kwargs)
+    monkeypatch.setattr(T, "update_policy", update_then_signal)
+    out = tmp_path / "run"
+    assert T.main(trainer_argv(tiny_dir, out, **over)) == 0
+    assert f"stopped by signal after step {stop_at}" in capsys.readouterr().out
+    monkeypatch.setattr(T, "update_policy", update)
+    assert T.main(trainer_argv(tiny_dir, out, **over)) == 0
+    assert run_metrics(out) == run_metrics(reference)
+
+
 @pytest.mark.slow  # python train_dapo.py
 def test_keep_last_prunes_only_after_a_new_checkpoint(tiny_dir, tmp_path):
     out = tmp_path / "run"
