@@ -10,6 +10,8 @@
   sp_replay             a tiny MoE, sp=2: forward + backward with router replay (a fixed routing)
   update_one            the same on one rank with a mesh of one (FSDP over one device, as on one GPU)
   bf16_one              a mesh of one computing in bf16 over fp32 master weights: one forward + backward
+  clip_mixed            grad-norm clipping over a plain gradient, a sharded one and one with a pending sum
+                        (Partial), against the norm of the full gradients
   accumulate_one        the same mesh: three micro-batches' gradients reduced after every backward, then
                         accumulated unsharded (parallel.accumulate_grads); which weights are sharded when
   save | load           a train_dapo-style checkpoint written / read at this world size
@@ -97,6 +99,31 @@ def accumulation(model, dims):
     parallel.reshard(model, dims)
     out["sharded_after_reshard"] = sharded()
     return out
+
+
+def clip_mixed(dims):
+    """parallel.clip_grad_norm_ over three kinds of gradient on 2 ranks -> the norm it returns, the one of the
+    full gradients, and the clipped full gradients with the expected ones."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    mesh = DeviceMesh("cpu", list(range(dims.world_size)))
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(4, 3, generator=g), torch.randn(6, generator=g), torch.randn(5, generator=g)]
+    halves = [torch.randn(6, generator=g)]  # rank 1's share of the Partial sum; rank 0 holds full[1] - it
+    local = full[2][:3] if dims.rank == 0 else full[2][3:]  # Shard(0) of 5 over 2 ranks: 3 + 2
+    params = [torch.nn.Parameter(torch.zeros(4, 3)),
+              torch.nn.Parameter(DTensor.from_local(torch.zeros(6), mesh, [Replicate()])),
+              torch.nn.Parameter(DTensor.from_local(torch.zeros_like(local), mesh, [Shard(0)], shape=(5,),
+                                                    stride=(1,)))]
+    params[0].grad = full[0].clone()
+    mine = halves[0] if dims.rank == 1 else full[1] - halves[0]
+    params[1].grad = DTensor.from_local(mine, mesh, [Partial()])
+    params[2].grad = DTensor.from_local(local.clone(), mesh, [Shard(0)], shape=(5,), stride=(1,))
+    expected = torch.cat([f.flatten() for f in full]).double().norm().item()
+    norm = parallel.clip_grad_norm_(params, 1.0)
+    clipped = [params[0].grad, params[1].grad.full_tensor(), params[2].grad.full_tensor()]
+    return {"norm": norm, "expected": expected, "clipped": clipped,
+            "want": [f * (1.0 / (expected + 1e-6)) for f in full]}
 
 
 AUX_COEF = 0.5  # large, so that a wrong router gradient shows
@@ -239,6 +266,8 @@ def main(mode, ckpt_dir, out):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: a wrong gradient scale would show
         T.update_policy(model, opt, T.make_scheduler(opt, cfg, 1), random_batch(), cfg,
                         dims)
+    elif mode == "clip_mixed":
+        result.update(clip_mixed(dims))
     elif mode == "routing":  # router replay's rows: each rank receives only those it trains on
         result.update(routing_exchange(dims))
     elif mode == "save":  # one step, then a checkpoint

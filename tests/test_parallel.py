@@ -180,6 +180,17 @@ def test_mesh_of_one_computes_in_bf16_over_fp32_master_weights(model_dir, tmp_pa
 
 
 @pytest.mark.slow  # torchrun
+def test_clip_grad_norm_over_plain_sharded_and_pending_gradients(model_dir, tmp_path):
+    """2 ranks: a plain gradient (the same on both), a sharded one, and one whose sum over the ranks is still
+    pending (Partial): the norm of the full gradients, and every full gradient scaled by max_norm / norm."""
+    torchrun_dist_check(2, "clip_mixed", model_dir, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")
+    assert got["norm"] == pytest.approx(got["expected"], rel=1e-6) and got["norm"] > 1.0
+    for clipped, want in zip(got["clipped"], got["want"]):
+        torch.testing.assert_close(clipped, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # torchrun
 def test_mesh_of_one_accumulates_unsharded_with_the_same_sums(model_dir, tmp_path):
     """One GPU keeps its bf16 weights gathered and its gradients unsharded across a mini-batch's micro-batches:
     the gradients are those of a reduction after every backward, bit for bit, and every weight is back to its
