@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 import parallel
+import reliability
 import reward
-from parallel import NOT_YET, StopFlag, StopRequested, Watchdog
+from parallel import NOT_YET
+from reliability import StopFlag, StopRequested, Watchdog
 from rollout import (GenerationStopped, SamplingParams, Trajectories, concat_trajectories, generate_share,
                      timed)
 
@@ -146,7 +148,7 @@ class RolloutQueue:
         if req.weights:
             names = ", ".join(self.rank_name(g) for g in self.generators)
             watchdog = watchdog_for(f"{names} to take the weights", self.cfg, self.run.log)
-            guard = watchdog.guarding(parallel.EXIT_RUN_FAILED, on_timeout=self.run.scorer.kill)
+            guard = watchdog.guarding(reliability.EXIT_RUN_FAILED, on_timeout=self.run.scorer.kill)
             with timed("weight_transfer", timing), guard:
                 buckets = parallel.iter_full_weights(self.run.model, self.cfg.weight_sync_bucket_mb * 2**20,
                                                      dtype=self.run.compute_dtype)
@@ -247,7 +249,7 @@ class Inbox:
         """Take part in the broadcast of req's weights and load them (even when stopping: it is
         collective)."""
         watchdog = watchdog_for("trainer rank 0 to send the weights", self.cfg, self.log)
-        with watchdog.guarding(parallel.EXIT_RUN_FAILED, on_timeout=self.run.scorer.kill):
+        with watchdog.guarding(reliability.EXIT_RUN_FAILED, on_timeout=self.run.scorer.kill):
             self.run.engine.load_weights(self.run.dims.bridge.broadcast_buckets(None), req.version)
         req.weights = False  # loaded: serving it later loads nothing
 

@@ -36,13 +36,14 @@ import checkpoint
 import data
 import parallel
 import plan
+import reliability
 import reward
 from checkpoint import CheckpointError, fault_point
 from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
 from hf import from_pretrained, load_config
 from model import load_balancing_loss, pack_sequences
-from parallel import StopFlag, StopRequested, report_failure
+from reliability import StopFlag, StopRequested, report_failure
 from async_rollout import Bridge, RolloutQueue, gen_batches_ahead, serve_rollouts
 from rollout import (GenerationStopped, SamplingParams, TorchEngine, Trajectories, VLLMEngine,
                      concat_trajectories, engine_results, generate_share, resolve_engine, timed)
@@ -1242,10 +1243,10 @@ class Logger:
 # -----------------------------------------------------------------------------
 # command line: train, --dry_run
 
-# exit codes: 0 done (or stopped by a signal after a checkpoint), parallel.EXIT_BAD_INPUT,
-# parallel.EXIT_RUN_FAILED, 128 + N a second signal N
+# exit codes: 0 done (or stopped by a signal after a checkpoint), reliability.EXIT_BAD_INPUT,
+# reliability.EXIT_RUN_FAILED, 128 + N a second signal N
 BAD_INPUT = (ConfigError, data.DataError, reward.RewardError, FileNotFoundError)
-RUN_FAILED = (RunError, CheckpointError, parallel.WaitTimeout)
+RUN_FAILED = (RunError, CheckpointError, reliability.WaitTimeout)
 
 
 def main(argv: list[str]) -> int:
@@ -1257,12 +1258,12 @@ def main(argv: list[str]) -> int:
         train(cfg)
     except BAD_INPUT + RUN_FAILED as e:
         report_failure(e)
-        return parallel.EXIT_RUN_FAILED if isinstance(e, RUN_FAILED) else parallel.EXIT_BAD_INPUT
+        return reliability.EXIT_RUN_FAILED if isinstance(e, RUN_FAILED) else reliability.EXIT_BAD_INPUT
     except Exception as e:
-        if not parallel.is_peer_failure(e):
+        if not reliability.is_peer_failure(e):
             raise
         report_failure(e)  # another rank stopped first: it said why
-        return parallel.EXIT_RUN_FAILED
+        return reliability.EXIT_RUN_FAILED
     if parallel.torchrun_rank() == 0:
         print(f"metrics: {os.path.join(cfg.out_dir, 'metrics.jsonl')}")
         print(f"plot them: python tools/plot.py {cfg.out_dir}")

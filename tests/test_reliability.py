@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import data
 import parallel
+import reliability
 import train_dapo as T
 from conftest import ROOT, make_model_dir, run_metrics, torchrun_trainer, trainer_argv
 from tools import plot, prepare_data
@@ -657,8 +658,8 @@ def test_readme_passes_overrides_to_torchrun_runs_after_a_double_dash():
 
 def test_watchdog_says_who_is_waited_for_then_stops_the_run():
     lines = []
-    watchdog = parallel.Watchdog("generator rank 3", 0.05, 0.3, lines.append)
-    with pytest.raises(parallel.WaitTimeout, match=r"waited 0 s for generator rank 3 .*watchdog_timeout_s=0.3: that rank"):
+    watchdog = reliability.Watchdog("generator rank 3", 0.05, 0.3, lines.append)
+    with pytest.raises(reliability.WaitTimeout, match=r"waited 0 s for generator rank 3 .*watchdog_timeout_s=0.3: that rank"):
         while True:
             watchdog()
             time.sleep(0.01)
@@ -666,12 +667,12 @@ def test_watchdog_says_who_is_waited_for_then_stops_the_run():
 
 
 def test_watchdog_ends_the_wait_at_a_stop_signal():
-    stop = parallel.StopFlag(lambda msg: None)
+    stop = reliability.StopFlag(lambda msg: None)
     try:
-        watchdog = parallel.Watchdog("generator rank 1", 60.0, 1800.0, lambda msg: None, stop)
+        watchdog = reliability.Watchdog("generator rank 1", 60.0, 1800.0, lambda msg: None, stop)
         watchdog()  # no signal: keeps waiting
         stop.handler(signal.SIGTERM, None)
-        with pytest.raises(parallel.StopRequested):
+        with pytest.raises(reliability.StopRequested):
             watchdog()
     finally:
         stop.restore()
