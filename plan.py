@@ -126,15 +126,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     fits = peak <= gpu_gib and (not vllm or vllm_kv_gib > 0)
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
-    notes = []
-    if cfg.rollout_gpus and engine == "vllm":
-        notes.append(f"{world_size} trainer GPUs; the {cfg.rollout_gpus} generator GPUs hold "
-                     f"{cfg.rollout_gpus // cfg.gen_tp} vLLM engine(s) of TP {cfg.gen_tp}, awake throughout: "
-                     f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} of each (nothing else runs "
-                     "there: raise it to ~0.9)")
-    elif cfg.rollout_gpus:
-        notes.append(f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the "
-                     f"built-in engine: {generator_gib:.2f} GiB (weights, KV cache, runtime)")
+    notes = _generators_note(cfg, world_size, engine, generator_gib) if cfg.rollout_gpus else []
     if cfg.free_cache_engine and not cfg.rollout_gpus:  # the other choice, planned alike
         awake = memory_plan(dataclasses.replace(asked, free_cache_engine=False), m, world_size, gpu_gib,
                             runtime_gib, engine)
@@ -190,6 +182,17 @@ def block_activation_bytes(m, layer: int, tp: int = 1, compiled: bool = True) ->
         return norms_and_inputs + split / tp + 8 * k * m.moe_intermediate_size + 6 * k * h + 8 * E
     mlp = 6 * m.intermediate_size if compiled else 8 * m.intermediate_size
     return norms_and_inputs + (split + mlp) / tp
+
+
+def _generators_note(cfg, world_size: int, engine: str, generator_gib: float) -> list[str]:
+    """memory_plan's note on asynchronous rollout's generator GPUs, which the plan's terms do not cover."""
+    if engine == "vllm":
+        return [f"{world_size} trainer GPUs; the {cfg.rollout_gpus} generator GPUs hold "
+                f"{cfg.rollout_gpus // cfg.gen_tp} vLLM engine(s) of TP {cfg.gen_tp}, awake throughout: "
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} of each (nothing else runs there: raise "
+                "it to ~0.9)"]
+    return [f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the built-in "
+            f"engine: {generator_gib:.2f} GiB (weights, KV cache, runtime)"]
 
 
 def _model_note(n_moe: int, E: int, ep: int, gpu_gib: float, P: int) -> str:
