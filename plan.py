@@ -189,8 +189,8 @@ def _generators_note(cfg, world_size: int, engine: str, generator_gib: float) ->
     if engine == "vllm":
         return [f"{world_size} trainer GPUs; the {cfg.rollout_gpus} generator GPUs hold "
                 f"{cfg.rollout_gpus // cfg.gen_tp} vLLM engine(s) of TP {cfg.gen_tp}, awake throughout: "
-                f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} of each (nothing else runs there: raise "
-                "it to ~0.9)"]
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} of each (nothing else runs there: "
+                "raise it to ~0.9)"]
     return [f"{world_size} trainer GPUs; each of the {cfg.rollout_gpus} generator GPUs holds the built-in "
             f"engine: {generator_gib:.2f} GiB (weights, KV cache, runtime)"]
 
