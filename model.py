@@ -29,6 +29,12 @@ try:
         _VARLEN_CAUSAL = {"window_size": (-1, 0)}
 except ImportError:
     varlen_attn = None
+# the flash varlen op of releases that take each sequence's count of live keys (seqused_k): the decode step
+# then needs no mask
+try:
+    _FLASH_SEQUSED_K = "seqused_k" in str(torch.ops.aten._flash_attention_forward.default._schema)
+except (AttributeError, RuntimeError):
+    _FLASH_SEQUSED_K = False
 
 MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                "LlamaForCausalLM": "llama"}  # the supported architectures -> config.json's model_type
@@ -236,11 +242,23 @@ class AttnBatch:
     cache_len: int = 0  # attend over cache[:, :, :cache_len]
     collect_kv: list | None = None  # prefill: per layer (k, v) [tokens, kv_heads, head_dim] is appended here
     sp_group: object = None  # process group of a sequence-parallel packed forward (see split_for_sp)
-    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # [rows, 1, 1, cache_len], built here
+    # decode, built here once for all layers: row r sees its cache positions <= cache_pos[r], through
+    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # [rows, 1, 1, cache_len], SDPA's, or
+    decode_seqs: torch.Tensor | None = field(default=None, repr=False)  # flash varlen's: 0..rows * kv_heads,
+    decode_cu_k: torch.Tensor | None = field(default=None, repr=False)  # the sequences' cache offsets and
+    decode_lens: torch.Tensor | None = field(default=None, repr=False)  # their live keys (see decode_attention)
 
-    def __post_init__(self):  # decode: row r sees cache positions <= cache_pos[r] (one mask for all layers)
-        if self.cache_pos is not None:
-            pos = torch.arange(self.cache_len, device=self.cache_pos.device)
+    def __post_init__(self):
+        if self.cache_pos is None:
+            return
+        k_cache, device = self.kv_cache[0][0], self.cache_pos.device
+        if decode_kernel(device.type, k_cache.dtype) == "varlen":
+            rows, (kv_heads, positions) = self.cache_pos.shape[0], k_cache.shape[1:3]
+            self.decode_seqs = torch.arange(rows * kv_heads + 1, dtype=torch.int32, device=device)
+            self.decode_cu_k = self.decode_seqs * positions
+            self.decode_lens = (self.cache_pos + 1).to(torch.int32).repeat_interleave(kv_heads)
+        else:
+            pos = torch.arange(self.cache_len, device=device)
             self.decode_mask = pos.view(1, 1, 1, -1) <= self.cache_pos.view(-1, 1, 1, 1)
 
 
@@ -257,6 +275,21 @@ def packed_kernel(device_type: str, dtype: torch.dtype) -> str:
     if dtype in (torch.float16, torch.bfloat16) and _varlen_available(device_type):
         return "varlen"
     return "gather"
+
+
+def decode_kernel(device_type: str, dtype: torch.dtype) -> str:
+    """The kernel for the decode step: "varlen" (torch's flash varlen with per-sequence key counts: CUDA, half
+    precision, a torch that takes seqused_k), else "sdpa" (SDPA with a mask)."""
+    if dtype in (torch.float16, torch.bfloat16) and device_type == "cuda" and _FLASH_SEQUSED_K:
+        return "varlen"
+    return "sdpa"
+
+
+def flash_varlen_decode(q, k, v, cu_q, cu_k, max_q: int, max_k: int, seqused_k):
+    """torch's flash varlen forward, not causal: the queries of sequence i, q[cu_q[i]:cu_q[i + 1]], attend to
+    its first seqused_k[i] keys from cu_k[i] on."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+                                                   seqused_k=seqused_k)[0]
 
 
 @functools.lru_cache
@@ -304,9 +337,20 @@ def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
     comes whole and is sliced here (rows :B, positions :cache_len): a compiled block then sees no views of
     it."""
     B, _, H, D = q.shape
-    L = batch.cache_len
+    L, kv_heads, positions = batch.cache_len, k_cache.shape[1], k_cache.shape[2]
+    group = H // kv_heads  # the query heads that share a kv head
+    if batch.decode_lens is not None:
+        # flash varlen, each (row, kv head) one sequence: its group's heads are the sequence's queries, and the
+        # cache, [rows, kv_heads, positions, D] and contiguous, already lays out their keys one after another;
+        # decode_lens keys of each are live. No mask to read, no copy of the cache, and GQA's shared keys are
+        # read once per group.
+        n = B * kv_heads
+        out = flash_varlen_decode(q.reshape(n * group, 1, D), k_cache[:B].view(n * positions, 1, D),
+                                  v_cache[:B].view(n * positions, 1, D), batch.decode_seqs * group,
+                                  batch.decode_cu_k, group, L, batch.decode_lens)
+        return out.view(B, 1, H, D)
     # GQA without copying the cache: the heads sharing a kv head become that head's query rows
-    q = q.view(B, k_cache.shape[1], -1, D)
+    q = q.view(B, kv_heads, group, D)
     out = F.scaled_dot_product_attention(q, k_cache[:B, :, :L], v_cache[:B, :, :L],
                                          attn_mask=batch.decode_mask)
     return out.reshape(B, 1, H, D)
@@ -420,13 +464,37 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.fused_qkv = False  # see fuse_qkv
+
+    def fuse_qkv(self):
+        """One [q; k; v] weight (and bias) of which q_proj, k_proj and v_proj's parameters become slices: one
+        matmul instead of three (a decode step's three are mostly launch latency). For a module that is not
+        trained (a rollout engine's copy); copying into the parameters, as load_weights does, fills it."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        sizes = [p.out_features for p in projs]
+        with torch.no_grad():
+            self.register_buffer("qkv_weight", torch.cat([p.weight for p in projs]), persistent=False)
+            for p, w in zip(projs, self.qkv_weight.split(sizes)):
+                p.weight = nn.Parameter(w, requires_grad=False)
+            if self.q_proj.bias is not None:
+                self.register_buffer("qkv_bias", torch.cat([p.bias for p in projs]), persistent=False)
+                for p, b in zip(projs, self.qkv_bias.split(sizes)):
+                    p.bias = nn.Parameter(b, requires_grad=False)
+            else:
+                self.qkv_bias = None
+        self.fused_qkv = True
 
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
         """kv_cache: decode: this layer's (k, v) cache, a tuple; prefill: a list that receives its new
         (k, v)."""
         B, T, _ = x.shape
         # -1: under tensor parallelism a rank holds a slice of the heads
-        q, k, v = (proj(x).view(B, T, -1, self.hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.fused_qkv:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            sizes = [p.out_features for p in (self.q_proj, self.k_proj, self.v_proj)]
+            q, k, v = (t.view(B, T, -1, self.hd) for t in qkv.split(sizes, dim=-1))
+        else:
+            q, k, v = (proj(x).view(B, T, -1, self.hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -62,29 +62,32 @@ class Completion:
 # -----------------------------------------------------------------------------
 # sampling (pure functions on a [rows, vocab] logits tensor)
 
-def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generator=None):
-    """-> (token ids [rows], log p(token) under log_softmax(logits / T)) with top-k / top-p filtering."""
-    logits = logits.float()
+def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generator=None, pick=None):
+    """-> (token ids [rows], log p(token) under log_softmax(logits / T)) with top-k / top-p filtering.
+    pick: gumbel_pick or a compiled copy of it (the engine's, one fused kernel instead of a dozen)."""
     if temperature <= 0:  # greedy; log-probs at temperature 1
+        logits = logits.float()
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
-    logits = logits / temperature
-    logp_all = torch.log_softmax(logits, -1)
-    filtered = logits
+    noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
+    return (pick or gumbel_pick)(logits, noise, temperature, top_p, top_k)
+
+
+def gumbel_pick(logits, noise, temperature: float, top_p: float, top_k: int):
+    """Sample with Gumbel-max: argmax(log p - log E), E ~ Exp(1) (noise), draws from p; no random numbers
+    here, so it compiles (the noise keeps the caller's seeded generator). -> (tokens, unfiltered log-probs)."""
+    scaled = logits.float() / temperature
+    filtered = scaled
     if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
     if top_p < 1.0:  # smallest set of most likely tokens whose probability reaches top_p
         sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, -1)
         drop = probs.cumsum(-1) - probs > top_p  # keep a token if the mass before it is < top_p
         filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(filtered, -1)
-    # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) samples from p (graph- and
-    # seed-friendly)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    tok = (probs / noise).argmax(-1)
-    return tok, logp_all.gather(-1, tok[:, None])[:, 0]
+    tok = (filtered - noise.log()).argmax(-1)  # log p's normalizer is the same for every token: left out
+    return tok, scaled.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(scaled, -1)
 
 
 # -----------------------------------------------------------------------------
@@ -96,13 +99,18 @@ class TorchEngine:
     cache_positions(longest prompt + max_tokens)) is allocated by the first generate that needs it, reused
     while large enough, freed by sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA
     graphs captured per (batch-size bucket, cache span). compile: torch.compile the decoder blocks (the
-    engine's own copy), so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch most of those
-    kernels."""
+    engine's own copy) and the sampler, so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch most
+    of those kernels, and the sampler's dozen passes over the logits."""
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True, compile: bool = False):
         self.model = model
+        if not shares_weights:  # a copy of its own, never trained: q, k and v in one matmul
+            for layer in model.model.layers:
+                layer.self_attn.fuse_qkv()
+        self.pick = None  # sample_tokens' default, eager gumbel_pick
         if compile:  # shapes symbolic from the start: the graphs serve every batch bucket and cache span
             parallel.apply_compile(model, dynamic=True)
+            self.pick = torch.compile(gumbel_pick, dynamic=True)
         self.max_num_seqs = max_num_seqs
         self.device = model.output_weight.device
         if use_cuda_graph is None:
@@ -205,7 +213,7 @@ class TorchEngine:
             k_cache[:rows, :, :Lp] = k[idx].transpose(1, 2)  # positions past a prompt's end are masked later
             v_cache[:rows, :, :Lp] = v[idx].transpose(1, 2)
         tok, logp = sample_tokens(logits.repeat_interleave(n, 0), params.temperature, params.top_p,
-                                  params.top_k, g)
+                                  params.top_k, g, self.pick)
         return tok, logp, lens.repeat_interleave(n)
 
     def _decode(self, tokens, cache_pos, cache, cache_len: int):
@@ -294,7 +302,7 @@ class TorchEngine:
                     v[:n_keep, :, :cache_len] = v[keep_idx, :, :cache_len]
                 alive, tok, cache_pos = alive[keep_idx], tok[keep_idx], cache_pos[keep_idx]
             logits = self._decode(tok, cache_pos, cache, cache_len)
-            tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g)
+            tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g, self.pick)
             cache_pos = cache_pos + 1
         out_tok, out_logp, lengths = out_tok.tolist(), out_logp.tolist(), lengths.tolist()
         stopped, paused = stopped.tolist(), paused.tolist()
