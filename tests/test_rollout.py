@@ -12,8 +12,8 @@ import rollout as R
 from conftest import compile_unavailable
 
 
-def tiny_model(seed=0, vocab=50, layers=2):
-    cfg = M.ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=vocab, hidden_size=32, intermediate_size=48,
+def tiny_model(seed=0, vocab=50, layers=2, architecture="Qwen2ForCausalLM"):
+    cfg = M.ModelConfig(architecture=architecture, vocab_size=vocab, hidden_size=32, intermediate_size=48,
                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
     return M.Transformer(cfg).init_weights(seed=seed, std=0.3).eval()
 
@@ -245,15 +245,18 @@ def test_trainer_and_engine_graphs_fit_the_recompile_limit():
     assert 0 < max(entries.values()) <= parallel.RECOMPILE_LIMIT // 2, entries
 
 
-def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfused_one():
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])  # q/k/v biases; q/k norms
+def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfused_one(architecture):
     """An engine that owns its copy fuses q, k and v into one weight whose slices are the parameters: the
     same tokens and log-probs as an engine on an unfused model, and pushed weights (load_weights, by the
     model's names) reach the fused weight."""
     sp = R.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
     prompts = [[t % 50 for t in p] for p in PROMPTS]
-    ref, own = R.TorchEngine(tiny_model(4)), R.TorchEngine(tiny_model(4), shares_weights=False)
+    ref = R.TorchEngine(tiny_model(4, architecture=architecture))
+    own = R.TorchEngine(tiny_model(4, architecture=architecture), shares_weights=False)
     attn = own.model.model.layers[0].self_attn
     assert attn.fused_qkv and attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.out_features:].data_ptr()
+    assert (attn.qkv_bias is None) == (architecture == "Qwen3ForCausalLM")
 
     def same(a, b):
         for cs, es in zip(a, b):
@@ -262,6 +265,7 @@ def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfuse
                 torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs))
 
     same(own.generate(prompts, sp), ref.generate(prompts, sp))
-    other = tiny_model(9)
+    other = tiny_model(9, architecture=architecture)
     own.load_weights([list(other.named_parameters())], version=1)
     same(own.generate(prompts, sp, version=1), R.TorchEngine(other).generate(prompts, sp))
+    assert "self_attn.qkv_weight" not in "".join(own.model.state_dict())  # not saved: the parameters are
