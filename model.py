@@ -243,10 +243,12 @@ class AttnBatch:
     collect_kv: list | None = None  # prefill: per layer (k, v) [tokens, kv_heads, head_dim] is appended here
     sp_group: object = None  # process group of a sequence-parallel packed forward (see split_for_sp)
     # decode, built here once for all layers: row r sees its cache positions <= cache_pos[r], through
-    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # [rows, 1, 1, cache_len], SDPA's, or
-    decode_seqs: torch.Tensor | None = field(default=None, repr=False)  # flash varlen's: 0..rows * kv_heads,
-    decode_cu_k: torch.Tensor | None = field(default=None, repr=False)  # the sequences' cache offsets and
-    decode_lens: torch.Tensor | None = field(default=None, repr=False)  # their live keys (see decode_attention)
+    # SDPA's [rows, 1, 1, cache_len] mask, or (flash varlen, see decode_attention) sequences
+    # 0..rows * kv_heads, their offsets in the cache and their counts of live keys
+    decode_mask: torch.Tensor | None = field(default=None, repr=False)
+    decode_seqs: torch.Tensor | None = field(default=None, repr=False)
+    decode_cu_k: torch.Tensor | None = field(default=None, repr=False)
+    decode_lens: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.cache_pos is None:
@@ -340,10 +342,10 @@ def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
     L, kv_heads, positions = batch.cache_len, k_cache.shape[1], k_cache.shape[2]
     group = H // kv_heads  # the query heads that share a kv head
     if batch.decode_lens is not None:
-        # flash varlen, each (row, kv head) one sequence: its group's heads are the sequence's queries, and the
-        # cache, [rows, kv_heads, positions, D] and contiguous, already lays out their keys one after another;
-        # decode_lens keys of each are live. No mask to read, no copy of the cache, and GQA's shared keys are
-        # read once per group.
+        # flash varlen, each (row, kv head) one sequence: its group's heads are the sequence's queries, and
+        # the cache, [rows, kv_heads, positions, D] and contiguous, already lays out their keys one after
+        # another; decode_lens keys of each are live. No mask to read, no copy of the cache, and GQA's shared
+        # keys are read once per group.
         n = B * kv_heads
         out = flash_varlen_decode(q.reshape(n * group, 1, D), k_cache[:B].view(n * positions, 1, D),
                                   v_cache[:B].view(n * positions, 1, D), batch.decode_seqs * group,

@@ -75,7 +75,8 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generato
 
 def gumbel_pick(logits, noise, temperature: float, top_p: float, top_k: int):
     """Sample with Gumbel-max: argmax(log p - log E), E ~ Exp(1) (noise), draws from p; no random numbers
-    here, so it compiles (the noise keeps the caller's seeded generator). -> (tokens, unfiltered log-probs)."""
+    here, so it compiles (the noise keeps the caller's seeded generator). -> (tokens, unfiltered
+    log-probs)."""
     scaled = logits.float() / temperature
     filtered = scaled
     if 0 < top_k < logits.shape[-1]:
@@ -99,8 +100,8 @@ class TorchEngine:
     cache_positions(longest prompt + max_tokens)) is allocated by the first generate that needs it, reused
     while large enough, freed by sleep(). On CUDA the decode step, many small kernels, is replayed from CUDA
     graphs captured per (batch-size bucket, cache span). compile: torch.compile the decoder blocks (the
-    engine's own copy) and the sampler, so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch most
-    of those kernels, and the sampler's dozen passes over the logits."""
+    engine's own copy) and the sampler, so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch
+    most of those kernels, and the sampler's dozen passes over the logits."""
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True, compile: bool = False):
         self.model = model

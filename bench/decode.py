@@ -1,9 +1,9 @@
 """
-The built-in engine's decode path, this tree's against the previous one in the same run (one GPU): a random
-Qwen2.5-1.5B shape, 16 prompts of 200-305 tokens x 8 samples, 512 tokens each (the trainer's groups, as in
-bench/step.py). "before" is the same engine with SDPA and a mask for decode attention, separate q/k/v matmuls and
-the eager sampler; "after" is the default (flash varlen decode, fused q/k/v on the engine's own copy, the compiled
-sampler). Also: decode attention alone against fp32, and the sampler alone.
+The built-in engine's decode path, this tree's against the previous one in the same run (one GPU): a
+random Qwen2.5-1.5B shape, 16 prompts of 200-305 tokens x 8 samples, 512 tokens each (the trainer's groups,
+as in bench/step.py). "before" is the same engine with SDPA and a mask for decode attention, separate q/k/v
+matmuls and the eager sampler; "after" is the default (flash varlen decode, fused q/k/v on the engine's own
+copy, the compiled sampler). Also: decode attention alone against fp32, and the sampler alone.
 
     python bench/decode.py --out decode.json
 """
@@ -24,8 +24,11 @@ p = argparse.ArgumentParser()
 p.add_argument("--repeats", type=int, default=3)
 p.add_argument("--out", default="decode.json")
 args = p.parse_args()
+if not torch.cuda.is_available():
+    sys.exit("bench/decode.py measures the CUDA decode path: it needs a CUDA GPU")
 dev = torch.device("cuda")
-RES = {"versions": versions(), "gpu": torch.cuda.get_device_name(), "decode_kernel": M.decode_kernel("cuda", torch.bfloat16)}
+RES = {"versions": versions(), "gpu": torch.cuda.get_device_name(),
+       "decode_kernel": M.decode_kernel("cuda", torch.bfloat16)}
 
 
 def event_us(fn, reps=50) -> float:
@@ -42,7 +45,8 @@ def event_us(fn, reps=50) -> float:
 
 
 def with_kernel(kernel, fn):
-    """fn() with the decode kernel forced (AttnBatch reads it when a decode step or a graph capture builds one)."""
+    """fn() with the decode kernel forced (AttnBatch reads it when a decode step or a graph capture builds
+    one)."""
     chosen = M.decode_kernel
     M.decode_kernel = lambda device_type, dtype: kernel
     try:
@@ -63,10 +67,12 @@ for span in (512, 768):
         q.float(), k_cache.float(), v_cache.float(),
         M.AttnBatch(kv_cache=[(k_cache.float(), v_cache.float())], cache_pos=pos, cache_len=span)))
     for kernel in ("varlen", "sdpa"):
-        batch = with_kernel(kernel, lambda: M.AttnBatch(kv_cache=[(k_cache, v_cache)], cache_pos=pos, cache_len=span))
+        batch = with_kernel(kernel, lambda: M.AttnBatch(kv_cache=[(k_cache, v_cache)], cache_pos=pos,
+                                                        cache_len=span))
         out = M.decode_attention(q, k_cache, v_cache, batch)
         RES[f"attn_{kernel}_{span}_max_err_vs_fp32"] = (out.float() - ref).abs().max().item()
-        RES[f"attn_{kernel}_{span}_us_eager"] = event_us(lambda: M.decode_attention(q, k_cache, v_cache, batch))
+        RES[f"attn_{kernel}_{span}_us_eager"] = event_us(
+            lambda: M.decode_attention(q, k_cache, v_cache, batch))
 print(RES, flush=True)
 
 # the sampler alone, 128 rows of the full vocabulary
@@ -103,7 +109,7 @@ for side in ("after", "before"):
     print(side, times, flush=True)
 pairs = [(a, b) for x, y in zip(outs["after"], outs["before"]) for a, b in zip(x, y)]
 RES["greedy_64_tokens_equal_rows"] = f"{sum(a.token_ids == b.token_ids for a, b in pairs)} / {len(pairs)}"
-RES["greedy_first_difference"] = [next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), None)
-                                  for a, b in pairs]
+RES["greedy_first_difference"] = [
+    next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), None) for a, b in pairs]
 dump(RES, args.out)
 print(RES)

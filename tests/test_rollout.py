@@ -255,7 +255,8 @@ def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfuse
     ref = R.TorchEngine(tiny_model(4, architecture=architecture))
     own = R.TorchEngine(tiny_model(4, architecture=architecture), shares_weights=False)
     attn = own.model.model.layers[0].self_attn
-    assert attn.fused_qkv and attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.out_features:].data_ptr()
+    k_rows = attn.qkv_weight[attn.q_proj.out_features:]
+    assert attn.fused_qkv and attn.k_proj.weight.data_ptr() == k_rows.data_ptr()
     assert (attn.qkv_bias is None) == (architecture == "Qwen3ForCausalLM")
 
     def same(a, b):
