@@ -212,10 +212,24 @@ def save():
     dump(RES, OUT)
 
 
+def host_state() -> dict:
+    """What else loads the machine as a side starts: the load average and the processes on the GPUs (runs of
+    the same code have differed by a third between leases; this says whether something else was running)."""
+    state = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        state["gpu_apps"] = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        state["gpu_apps"] = repr(e)
+    return state
+
+
 def run(cmd, log_path, env=None, timeout=None):
     """Run a child (its own process group), output to log_path and to our stdout (prefixed); on timeout its
     group is killed. -> (rc, seconds, last lines)"""
     print(f"$ {' '.join(cmd)}", flush=True)
+    RES.setdefault("host_before", {})[os.path.basename(log_path)] = host_state()
     t0 = time.perf_counter()
     tail = []
     log = open(log_path, "w")
@@ -313,6 +327,8 @@ def nanodapo_side(name, engine):
     peaks = [r["perf/max_memory_allocated_gib"] for r in rows if "perf/max_memory_allocated_gib" in r]  # GPU only
     side["peak_alloc_GiB"] = max(peaks, default=None)
     side["reward_mean"] = [r.get("train/score_mean") for r in rows]
+    # the engine's log-probs against the trainer's (None where the engine gave none: vLLM by default)
+    side["logp_mismatch"] = [r.get("rollout/logp_mismatch") for r in rows]
     return side
 
 
