@@ -339,14 +339,14 @@ def decode_attention(q, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
     comes whole and is sliced here (rows :B, positions :cache_len): a compiled block then sees no views of
     it."""
     B, _, H, D = q.shape
-    L, kv_heads, positions = batch.cache_len, k_cache.shape[1], k_cache.shape[2]
+    L, kv_heads = batch.cache_len, k_cache.shape[1]
     group = H // kv_heads  # the query heads that share a kv head
     if batch.decode_lens is not None:
         # flash varlen, each (row, kv head) one sequence: its group's heads are the sequence's queries, and
         # the cache, [rows, kv_heads, positions, D] and contiguous, already lays out their keys one after
         # another; decode_lens keys of each are live. No mask to read, no copy of the cache, and GQA's shared
         # keys are read once per group.
-        n = B * kv_heads
+        n, positions = B * kv_heads, k_cache.shape[2]
         out = flash_varlen_decode(q.reshape(n * group, 1, D), k_cache[:B].view(n * positions, 1, D),
                                   v_cache[:B].view(n * positions, 1, D), batch.decode_seqs * group,
                                   batch.decode_cu_k, group, L, batch.decode_lens)
@@ -466,35 +466,33 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.fused_qkv = False  # see fuse_qkv
+        self.qkv_sizes = None  # fuse_qkv: the q, k and v rows of its one weight
 
     def fuse_qkv(self):
         """One [q; k; v] weight (and bias) of which q_proj, k_proj and v_proj's parameters become slices: one
         matmul instead of three (a decode step's three are mostly launch latency). For a module that is not
         trained (a rollout engine's copy); copying into the parameters, as load_weights does, fills it."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        sizes = [p.out_features for p in projs]
+        self.qkv_sizes = [p.out_features for p in projs]
         with torch.no_grad():
             self.register_buffer("qkv_weight", torch.cat([p.weight for p in projs]), persistent=False)
-            for p, w in zip(projs, self.qkv_weight.split(sizes)):
+            for p, w in zip(projs, self.qkv_weight.split(self.qkv_sizes)):
                 p.weight = nn.Parameter(w, requires_grad=False)
             if self.q_proj.bias is not None:
                 self.register_buffer("qkv_bias", torch.cat([p.bias for p in projs]), persistent=False)
-                for p, b in zip(projs, self.qkv_bias.split(sizes)):
+                for p, b in zip(projs, self.qkv_bias.split(self.qkv_sizes)):
                     p.bias = nn.Parameter(b, requires_grad=False)
             else:
                 self.qkv_bias = None
-        self.fused_qkv = True
 
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
         """kv_cache: decode: this layer's (k, v) cache, a tuple; prefill: a list that receives its new
         (k, v)."""
         B, T, _ = x.shape
         # -1: under tensor parallelism a rank holds a slice of the heads
-        if self.fused_qkv:
+        if self.qkv_sizes is not None:  # fused (fuse_qkv)
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-            sizes = [p.out_features for p in (self.q_proj, self.k_proj, self.v_proj)]
-            q, k, v = (t.view(B, T, -1, self.hd) for t in qkv.split(sizes, dim=-1))
+            q, k, v = (t.view(B, T, -1, self.hd) for t in qkv.split(self.qkv_sizes, dim=-1))
         else:
             q, k, v = (proj(x).view(B, T, -1, self.hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if hasattr(self, "q_norm"):

@@ -256,7 +256,7 @@ def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfuse
     own = R.TorchEngine(tiny_model(4, architecture=architecture), shares_weights=False)
     attn = own.model.model.layers[0].self_attn
     k_rows = attn.qkv_weight[attn.q_proj.out_features:]
-    assert attn.fused_qkv and attn.k_proj.weight.data_ptr() == k_rows.data_ptr()
+    assert attn.qkv_sizes is not None and attn.k_proj.weight.data_ptr() == k_rows.data_ptr()
     assert (attn.qkv_bias is None) == (architecture == "Qwen3ForCausalLM")
 
     def same(a, b):
