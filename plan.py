@@ -30,7 +30,7 @@ MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / g
     "logprob_buffer": ("training", "fp32 logits of one logprob_chunk (+ kept bf16 logits)"),
     "kv_cache": ("generation", "KV cache of the built-in engine"),
     "vllm_asleep": ("resident", "vLLM asleep (graph pool, allocator)"),
-    "vllm_awake": ("generation", "vLLM awake: utilization x GPU"),
+    "vllm_awake": ("generation", "vLLM awake: weights + KV pool"),
     "sync_bucket": ("generation", "weight push: a bucket + one full param"),
 }
 
@@ -107,7 +107,16 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib["kv_cache"] = rows * rollout.cache_positions(seq) * kv_token / GiB
     vllm = engine == "vllm" and not cfg.rollout_gpus  # asynchronous: the engines live on the generator GPUs
     gib["vllm_asleep"] = 1.0 if vllm and cfg.free_cache_engine else 0.0
-    gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib if vllm else 0.0
+    kv_pool = rollout.vllm_kv_cache_bytes(
+        m, max_model_len=seq, max_num_seqs=cfg.max_num_seqs, gen_tp=cfg.gen_tp,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, gpu_bytes=gpu_gib * GiB, dtype_bytes=w)
+    kv_pool = cfg.vllm_kwargs.get("kv_cache_memory_bytes", kv_pool)  # the engine takes the user's size too
+    if not vllm:
+        gib["vllm_awake"] = 0.0
+    elif kv_pool is None:  # vLLM fills its share of the GPU
+        gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib
+    else:  # a pool sized to max_num_seqs full-length sequences
+        gib["vllm_awake"] = (w * P / cfg.gen_tp + kv_pool + rollout.VLLM_RESERVE_BYTES) / GiB
     largest = max(m.vocab_size * h, 2 * m.moe_intermediate_size * h * E)  # gathered whole by the push
     gib["sync_bucket"] = (min(cfg.weight_sync_bucket_mb * 2**20, w * P) + w * largest) / GiB if vllm else 0.0
     generator_gib = gib["engine_weights"] + gib["kv_cache"] + runtime_gib
@@ -133,7 +142,11 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
         notes.append(f"free_cache_engine=False (the engine stays awake: no wake or sleep a step) "
                      f"{awake['verdict']}: peak {awake['peak_gib']:.1f} GiB, "
                      f"gradient_checkpointing {awake['gradient_checkpointing']}")
-    if vllm:
+    if vllm and kv_pool is not None:
+        notes.append(f"vLLM engine of TP {cfg.gen_tp}: a KV pool of {kv_pool / GiB:.1f} GiB a GPU, room for "
+                     f"max_num_seqs={cfg.max_num_seqs} sequences of max length ({seq} tokens), less than "
+                     f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} would give")
+    elif vllm:
         seqs = vllm_kv_gib * GiB / (kv_token * seq)
         short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
         notes.append(f"vLLM engine of TP {cfg.gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x "

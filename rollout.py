@@ -392,12 +392,37 @@ def _ensure_process_group():
     os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if kind != "cpu" else 0))
 
 
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+VLLM_RESERVE_BYTES = 2**30  # a vLLM engine's activations and CUDA graphs besides its weights and KV cache
+
+
+def device_memory_bytes() -> int:
+    """The current accelerator's total memory."""
+    return torch.get_device_module().mem_get_info()[1]
+
+
 def free_device_memory() -> int:
     """Bytes free on the current accelerator as the driver sees them, after torch's allocator returns its
     cached blocks (vLLM's memory pool is invisible to torch's allocator statistics)."""
     module = torch.get_device_module()
     module.empty_cache()
     return module.mem_get_info()[0]
+
+
+def vllm_kv_cache_bytes(model_cfg, *, max_model_len: int, max_num_seqs: int, gen_tp: int,
+                        gpu_memory_utilization: float, gpu_bytes: int, dtype_bytes: int = 2) -> int | None:
+    """The KV pool per GPU of a vLLM engine: room for max_num_seqs sequences (the most it decodes at once) of
+    max_model_len tokens, each rounded up to 64-token blocks plus one; or None (vLLM fills what
+    gpu_memory_utilization x gpu_bytes leaves after the weights) where that is not more. A smaller pool is
+    cheaper to map on every wake and release on every sleep, and leaves the rest to training."""
+    m = model_cfg
+    kv_heads = max(1, m.num_key_value_heads // gen_tp)  # each TP rank keeps its own heads (at least one)
+    per_token = m.num_hidden_layers * 2 * kv_heads * m.head_dim * dtype_bytes  # k and v of every layer
+    tokens = max_num_seqs * (math.ceil(max_model_len / 64) + 1) * 64
+    room = gpu_memory_utilization * gpu_bytes - dtype_bytes * m.num_params() / gen_tp - VLLM_RESERVE_BYTES
+    if tokens * per_token >= room:
+        return None
+    return tokens * per_token
 
 
 class VLLMEngine:
@@ -430,6 +455,12 @@ class VLLMEngine:
                              f"is above max_position_embeddings={limit} in "
                              f"{os.path.join(model_path, 'config.json')}: lower max_prompt_length or "
                              f"max_response_length so that their sum is at most {limit}")
+        if "kv_cache_memory_bytes" not in kw:  # vLLM then takes this much for KV and skips its profiling
+            kw["kv_cache_memory_bytes"] = vllm_kv_cache_bytes(
+                config, max_model_len=kw["max_model_len"], max_num_seqs=kw["max_num_seqs"],
+                gen_tp=kw["tensor_parallel_size"], gpu_memory_utilization=kw["gpu_memory_utilization"],
+                gpu_bytes=device_memory_bytes(), dtype_bytes=DTYPE_BYTES[kw["dtype"]])
+        self.kv_cache_bytes = kw["kv_cache_memory_bytes"]  # None: sized by vLLM from gpu_memory_utilization
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
         from vllm import LLM
         _ensure_process_group()
@@ -455,7 +486,8 @@ class VLLMEngine:
         if not self.awake and free < 0.95 * self.awake_bytes:  # checked before the first tag of a cycle wakes
             raise RuntimeError(f"vLLM needs ~{self.awake_bytes / 2**30:.1f} GiB back (weights + KV cache) to "
                                f"wake up but only {free / 2**30:.1f} GiB are free next to training: lower "
-                               "gpu_memory_utilization, or turn on param_offload / optimizer_offload")
+                               "gpu_memory_utilization or max_num_seqs (its KV pool), or turn on "
+                               "param_offload / optimizer_offload")
         self.llm.wake_up(tags=tags)
         self.awake.update(tags)
 

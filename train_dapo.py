@@ -134,7 +134,9 @@ class Config:
     calculate_log_probs: bool = False  # vLLM's sampled-token log-probs, for rollout/logp_mismatch (costly)
     # vLLM engine (rollout_engine="vllm"): world_size / gen_tp engines, colocated with training
     gen_tp: int = 1  # tensor parallel size of one engine (verl: rollout.tensor_model_parallel_size)
-    gpu_memory_utilization: float = 0.5  # fraction of the GPU for vLLM's weights + KV cache while it is awake
+    # the most of the GPU vLLM's weights + KV cache take while awake; its KV pool is only as large as
+    # max_num_seqs sequences of max length need (vllm_kwargs={"kv_cache_memory_bytes": ..} sets it yourself)
+    gpu_memory_utilization: float = 0.5
     enforce_eager: bool = False  # no CUDA graphs / torch.compile in vLLM (fast start, slower decode)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 0  # vLLM's token budget per engine step (0 = vLLM's default)
@@ -1025,9 +1027,13 @@ def make_vllm_engine(cfg: Config, engines: int, log) -> VLLMEngine:
                         enable_chunked_prefill=cfg.enable_chunked_prefill,
                         max_num_batched_tokens=cfg.max_num_batched_tokens or None, seed=cfg.seed,
                         dtype=cfg.dtype, engine_kwargs=engine_kwargs)
+    if engine.kv_cache_bytes is None:
+        kv_pool = f"KV pool: what gpu_memory_utilization={cfg.gpu_memory_utilization:g} leaves"
+    else:
+        kv_pool = f"KV pool: {engine.kv_cache_bytes / 2**30:.1f} GiB, for max_num_seqs full-length sequences"
     log(f"rollout engine: vLLM, {engines} engine(s) of TP {cfg.gen_tp}, started in "
         f"{time.perf_counter() - t0:.0f} s; "
-        f"{engine.awake_bytes / 2**30:.1f} GiB each while awake")
+        f"{engine.awake_bytes / 2**30:.1f} GiB each while awake ({kv_pool})")
     return engine
 
 

@@ -202,11 +202,15 @@ def vllm_module():
     return module
 
 
+GPU_BYTES = 80 * 2**30  # the device the stand-in engine sizes its KV pool against
+
+
 def install_globally(free_bytes=8 * 2**30):
     """For a whole process (tests/fake_vllm_launch.py): `import vllm` gives the stand-ins."""
     module = vllm_module()
     sys.modules["vllm"], sys.modules["vllm.sampling_params"] = module, module.sampling_params
     R.free_device_memory = lambda: free_bytes
+    R.device_memory_bytes = lambda: GPU_BYTES
 
 
 def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
@@ -215,6 +219,7 @@ def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", module.sampling_params)
     monkeypatch.setattr(R, "free_device_memory", free_bytes)
+    monkeypatch.setattr(R, "device_memory_bytes", lambda: GPU_BYTES)
     # the CPU tests stay a plain process without a group; the environment is what _ensure_process_group leaves
     # for vLLM (test_a_single_rank_gets_a_process_group_for_vllm_without_hanging checks the real one)
     monkeypatch.setattr(R, "_ensure_process_group", lambda: [monkeypatch.setenv(k, os.environ.get(k, "0"))

@@ -201,20 +201,36 @@ def test_memory_plan_single_gpu_is_fsdp_over_a_mesh_of_one():
 
 
 def test_memory_plan_with_the_vllm_engine():
-    """vLLM replaces the built-in engine's weight copy and KV cache by its awake pool (utilization x GPU), ~1 GiB
-    while asleep, and one push bucket; the note gives its KV capacity in full-length sequences, by hand."""
+    """vLLM replaces the built-in engine's weight copy and KV cache by its awake memory: its bf16 weights share,
+    a KV pool for max_num_seqs full-length sequences and 1 GiB of activations; ~1 GiB while asleep, and one push
+    bucket. Where such a pool would not fit in utilization x GPU, vLLM fills that share and the note gives its
+    KV capacity in full-length sequences. By hand."""
     cfg = planner_cfg(gpu_memory_utilization=0.5, weight_sync_bucket_mb=1, gen_tp=2)
     torch_plan = plan.memory_plan(cfg, planner_model(), 8, gpu_gib=80, runtime_gib=0)
     p = plan.memory_plan(cfg, planner_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
     g = p["gib"]
-    assert (g["engine_weights"], g["kv_cache"], g["vllm_asleep"], g["vllm_awake"]) == (0, 0, 1.0, 40.0)
+    # 8 sequences x (64 tokens + a spare block of 64) x 2 layers x (k, v) x 1 kv head per TP rank x 16 x bf16
+    kv_pool = 8 * 128 * 2 * 2 * 1 * 16 * 2
+    awake = (2 * 202_304 / 2 + kv_pool + GiB) / GiB
+    assert (g["engine_weights"], g["kv_cache"], g["vllm_asleep"]) == (0, 0, 1.0)
+    assert g["vllm_awake"] == pytest.approx(awake)
     # one bucket, plus the largest parameter gathered whole before it is cut up (lm_head, 1000 x 64 in bf16)
     assert g["sync_bucket"] == pytest.approx((min(2**20, 2 * 202_304) + 2 * 64_000) / GiB)
     assert p["resident_gib"] == pytest.approx(torch_plan["resident_gib"] - torch_plan["gib"]["engine_weights"] + 1.0)
-    assert p["generation_gib"] == pytest.approx(40.0 + g["sync_bucket"])
+    assert p["generation_gib"] == pytest.approx(awake + g["sync_bucket"])
+    assert any("a KV pool of 0.0 GiB a GPU, room for max_num_seqs=8 sequences of max length (64 tokens)" in n
+               for n in p["notes"])
+    # the user's own pool size, as the engine passes it on
+    mine = plan.memory_plan(planner_cfg(gen_tp=2, vllm_kwargs={"kv_cache_memory_bytes": 3 * GiB}), planner_model(),
+                            8, gpu_gib=80, runtime_gib=0, engine="vllm")
+    assert mine["gib"]["vllm_awake"] == pytest.approx((202_304 + 3 * GiB + GiB) / GiB)
+
+    # 8192 sequences of 65,536 tokens would need 64 GiB a GPU: vLLM takes utilization x GPU
+    cfg = planner_cfg(gpu_memory_utilization=0.5, gen_tp=2, max_num_seqs=8192, max_response_length=2**16 - 16)
+    p = plan.memory_plan(cfg, planner_model(), 8, gpu_gib=80, runtime_gib=0, engine="vllm")
+    assert p["gib"]["vllm_awake"] == 40.0
     kv_gib = 0.5 * 80 * 2 - 2 * 202_304 / GiB - 2
-    seq = cfg.max_prompt_length + cfg.max_response_length
-    seqs = kv_gib * GiB / (2 * 2 * 2 * 16 * 2 * seq)  # layers x (k, v) x kv_heads x head_dim x bf16
+    seqs = kv_gib * GiB / (2 * 2 * 2 * 16 * 2 * 2**16)  # layers x (k, v) x kv_heads x head_dim x bf16
     assert any(f"~{kv_gib:.0f} GiB of KV cache = {seqs:.0f} sequences" in n for n in p["notes"])
 
 

@@ -133,6 +133,29 @@ def test_vllm_engine_requests_versions_and_memory_cycle(monkeypatch, tmp_path):
         eng.generate(prompts, params, version=0)
 
 
+def test_vllm_engine_sizes_its_kv_pool_to_the_rollout(monkeypatch, tmp_path):
+    """The KV pool holds max_num_seqs sequences of max_model_len tokens (each rounded up to 64-token blocks, plus
+    one block), in each TP rank's share of the kv heads; vLLM sizes it from gpu_memory_utilization where that
+    would not fit, and the user's own kv_cache_memory_bytes wins. By hand: the tiny model has 2 layers, 2 kv
+    heads of 8 dims, bf16."""
+    install(monkeypatch)
+    path = str(make_model_dir(tmp_path / "m"))
+    eng = R.VLLMEngine(path, max_model_len=128, max_num_seqs=16, engine_kwargs={"max_num_seqs": 8})
+    per_token = 2 * 2 * 2 * 8 * 2  # layers x (k, v) x kv heads x head_dim x bf16
+    assert eng.llm.kwargs["kv_cache_memory_bytes"] == eng.kv_cache_bytes == 8 * (2 + 1) * 64 * per_token
+    tp2 = R.vllm_kv_cache_bytes(hf.load_config(path), max_model_len=129, max_num_seqs=8, gen_tp=2,
+                                gpu_memory_utilization=0.5, gpu_bytes=80 * 2**30)
+    assert tp2 == 8 * (3 + 1) * 64 * per_token // 2  # one kv head a rank
+    fp32 = R.VLLMEngine(path, max_model_len=64, max_num_seqs=4, dtype="float32")
+    assert fp32.kv_cache_bytes == 4 * (1 + 1) * 64 * per_token * 2
+    mine = R.VLLMEngine(path, max_model_len=64, engine_kwargs={"kv_cache_memory_bytes": 12345})
+    assert mine.llm.kwargs["kv_cache_memory_bytes"] == mine.kv_cache_bytes == 12345
+    # 0.5 x 2 GiB less the weights and vLLM's 1 GiB of activations leaves nothing: vLLM sizes the pool itself
+    monkeypatch.setattr(R, "device_memory_bytes", lambda: 2 * 2**30)
+    small = R.VLLMEngine(path, max_model_len=64)
+    assert small.llm.kwargs["kv_cache_memory_bytes"] is None and small.kv_cache_bytes is None
+
+
 def test_vllm_engine_refuses_to_wake_without_room(monkeypatch, tmp_path):
     free = iter([1 * 2**30, 9 * 2**30, 2 * 2**30])  # before sleep, after sleep (8 GiB released), at wake
     install(monkeypatch, free_bytes=lambda: next(free))
