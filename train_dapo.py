@@ -20,6 +20,7 @@ One training step, in the order this file reads:
  4. keep groups with reward variance, refill   8. metrics, validation, checkpoint
 """
 import functools
+import gc
 import itertools
 import json
 import math
@@ -732,6 +733,24 @@ def say(msg: str):
 
 
 def train(cfg: Config):
+    """The run cfg describes (fit), with the garbage collector's heap freeze undone on the way out, however it
+    ends: what fit froze can be collected again once the run's objects are dropped."""
+    try:
+        return fit(cfg)
+    finally:
+        gc.unfreeze()
+
+
+def freeze_gc_heap():
+    """Move every object alive now out of the garbage collector's scans. After the first step these are what
+    lives as long as the run (modules, compiled graphs, engines): on a GPU, a full collection after two compiled
+    steps of the demo took 0.46 s and none after the freeze, and vLLM's sleep runs one every rollout. Garbage
+    is collected first, so only live objects are frozen."""
+    gc.collect()
+    gc.freeze()
+
+
+def fit(cfg: Config):
     check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or device
     run = setup(cfg)
     if run.dims.is_generator:
@@ -763,7 +782,7 @@ def train(cfg: Config):
             stopping = True
             what = f"of step {step}" if step else "before training"
             log(f"stopped by signal during the validation {what}; nothing was trained")
-    consecutive_skips = 0
+    consecutive_skips, heap_frozen = 0, False
     while step < run.total_steps and not stopping:
         t_step = time.perf_counter()
         timing = dict.fromkeys(("gen", "reward", "sync", "wake_sleep", "old_log_prob", "ref", "update_actor")
@@ -838,6 +857,10 @@ def train(cfg: Config):
             cut = " (its validation was cut short: the resumed run runs it first)" if val_pending else ""
             log(f"stopped by signal after step {step}{cut}; its checkpoint was written "
                 f"{stop.seconds_since():.1f} s after the signal; resume with resume='auto'")
+        if not heap_frozen:  # after the first step: compilation and the engine's warm-up are done
+            del batch, generated  # this step's data is not run-long
+            freeze_gc_heap()
+            heap_frozen = True
     bar.close()
     if run.rollouts is not None:
         run.rollouts.close()

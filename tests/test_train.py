@@ -429,3 +429,28 @@ def test_dynamic_sampling_explains_why_groups_are_dropped():
     with pytest.raises(T.RunError, match=r"100% all wrong; 100% of responses without a parsable answer.*Likely "
                                          r"cause: no response matched the answer format"):
         T.dynamic_sampling(iter([failed, failed]), cfg)
+
+
+def test_the_heap_is_frozen_once_after_the_first_step_and_unfrozen_however_the_run_ends(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    """The collector's heap freeze comes after step 1's update and before step 2's (compilation and warm-up
+    are done), once, and train() undoes it on its way out, also when the run fails."""
+    events = []
+    update = T.update_policy
+
+    def counted_update(*args, **kwargs):
+        events.append("update")
+        if len([e for e in events if e == "update"]) == fail_at:
+            raise T.RunError("stop here")
+        return update(*args, **kwargs)
+    monkeypatch.setattr(T, "update_policy", counted_update)
+    monkeypatch.setattr(T.gc, "freeze", lambda: events.append("freeze"))
+    monkeypatch.setattr(T.gc, "unfreeze", lambda: events.append("unfreeze"))
+    fail_at = 0
+    T.train(tiny_train_config(tiny_dir, tmp_path / "a", total_training_steps=3, save_freq=-1, test_freq=0))
+    assert events == ["update", "freeze", "update", "update", "unfreeze"]
+    events.clear()
+    fail_at = 2
+    with pytest.raises(T.RunError, match="stop here"):
+        T.train(tiny_train_config(tiny_dir, tmp_path / "b", total_training_steps=3, save_freq=-1, test_freq=0))
+    assert events == ["update", "freeze", "update", "unfreeze"]
