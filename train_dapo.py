@@ -1100,7 +1100,8 @@ def validate(run: Run, cfg: Config, version: int, step: int) -> dict:
     """Generate for the validation prompts (val_n each, val sampling knobs) and score: mean@val_n accuracy."""
     params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature if cfg.val_do_sample else 0.0,
                             top_p=cfg.val_top_p, top_k=cfg.val_top_k, max_tokens=cfg.max_response_length,
-                            stop_token_ids=run.tokenizer.eos_token_ids, seed=cfg.seed + 7919 * (step + 1))
+                            stop_token_ids=run.tokenizer.eos_token_ids, seed=cfg.seed + 7919 * (step + 1),
+                            logprobs=False)  # validation scores answers only; vLLM's log-probs cost speed
     timing = {}
     if run.rollouts is None:
         traj, _ = rollout(run, cfg, run.val_prompts, params, version=version, group_offset=0, timing=timing)

@@ -42,6 +42,7 @@ class LLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.awake = kwargs, [], {"weights", "kv_cache"}
+        self.logprobs_asked = []  # per generate call: whether any request asked for log-probs
         if kwargs.get("distributed_executor_backend") == "external_launcher":  # as vLLM's executor reads them
             self.rank, self.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         config = hf.load_config(kwargs["model"])
@@ -97,6 +98,7 @@ class LLM:
         self.calls.append(("generate", len(requests)))
         sampling = sampling if isinstance(sampling, list) else [sampling] * len(requests)
         self.last_sampling = sampling
+        self.logprobs_asked.append(any(sp.logprobs is not None for sp in sampling))
         outs = []
         for req, sp in zip(requests, sampling):
             c, logprobs = self._sample(req, sp)

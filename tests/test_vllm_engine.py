@@ -184,6 +184,9 @@ def test_trainer_with_vllm_engine_pushes_every_rollout_and_agrees_on_logprobs(mo
     calls = fake_vllm.LLM.instances[0].calls
     gens = [i for i, c in enumerate(calls) if c[0] == "generate"]
     assert len(gens) >= 5  # val before training, >= 1 round per step, val after each step
+    # validation scores answers only: it never asks for log-probs; the steps do when calculate_log_probs is on
+    asked = fake_vllm.LLM.instances[0].logprobs_asked
+    assert asked[0] is False and asked[-1] is False and any(asked) == free_cache_engine
     if free_cache_engine:  # every generate: wake weights -> pushes -> reset -> wake kv_cache, generate, sleep(2)
         for i in gens:
             assert calls[i + 1] == ("sleep", 2)
