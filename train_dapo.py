@@ -751,6 +751,7 @@ def freeze_gc_heap():
 
 
 def fit(cfg: Config):
+    """Set up, resume, then train step by step until total steps or a stop signal -> the policy."""
     check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or device
     run = setup(cfg)
     if run.dims.is_generator:
@@ -1052,6 +1053,8 @@ def make_vllm_engine(cfg: Config, engines: int, log) -> VLLMEngine:
                         dtype=cfg.dtype, engine_kwargs=engine_kwargs)
     if engine.kv_cache_bytes is None:
         kv_pool = f"KV pool: what gpu_memory_utilization={cfg.gpu_memory_utilization:g} leaves"
+    elif "kv_cache_memory_bytes" in cfg.vllm_kwargs:
+        kv_pool = f"KV pool: {engine.kv_cache_bytes / 2**30:.1f} GiB, from vllm_kwargs"
     else:
         kv_pool = f"KV pool: {engine.kv_cache_bytes / 2**30:.1f} GiB, for max_num_seqs full-length sequences"
     log(f"rollout engine: vLLM, {engines} engine(s) of TP {cfg.gen_tp}, started in "
