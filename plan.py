@@ -107,16 +107,9 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib["kv_cache"] = rows * rollout.cache_positions(seq) * kv_token / GiB
     vllm = engine == "vllm" and not cfg.rollout_gpus  # asynchronous: the engines live on the generator GPUs
     gib["vllm_asleep"] = 1.0 if vllm and cfg.free_cache_engine else 0.0
-    kv_pool = rollout.vllm_kv_cache_bytes(
-        m, max_model_len=seq, max_num_seqs=cfg.max_num_seqs, gen_tp=cfg.gen_tp,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, gpu_bytes=gpu_gib * GiB, dtype_bytes=w)
-    kv_pool = cfg.vllm_kwargs.get("kv_cache_memory_bytes", kv_pool)  # the engine takes the user's size too
-    if not vllm:
-        gib["vllm_awake"] = 0.0
-    elif kv_pool is None:  # vLLM fills its share of the GPU
-        gib["vllm_awake"] = cfg.gpu_memory_utilization * gpu_gib
-    else:  # a pool sized to max_num_seqs full-length sequences
-        gib["vllm_awake"] = (w * P / cfg.gen_tp + kv_pool + rollout.VLLM_RESERVE_BYTES) / GiB
+    gib["vllm_awake"], vllm_kv_gib, vllm_note = 0.0, 0.0, None
+    if vllm:
+        gib["vllm_awake"], vllm_kv_gib, vllm_note = _vllm_awake(cfg, m, gpu_gib, w, seq)
     largest = max(m.vocab_size * h, 2 * m.moe_intermediate_size * h * E)  # gathered whole by the push
     gib["sync_bucket"] = (min(cfg.weight_sync_bucket_mb * 2**20, w * P) + w * largest) / GiB if vllm else 0.0
     generator_gib = gib["engine_weights"] + gib["kv_cache"] + runtime_gib
@@ -130,8 +123,6 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
              for p in ("resident", "training", "generation")}
     peak_phase = "training" if total["training"] >= total["generation"] else "generation"
     peak = total["resident"] + total[peak_phase]
-    # vLLM's KV room: its pool less the bf16 weights and ~1 GiB of activations a GPU
-    vllm_kv_gib = cfg.gpu_memory_utilization * gpu_gib * cfg.gen_tp - 2 * P / GiB - cfg.gen_tp
     fits = peak <= gpu_gib and (not vllm or vllm_kv_gib > 0)
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
@@ -142,16 +133,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
         notes.append(f"free_cache_engine=False (the engine stays awake: no wake or sleep a step) "
                      f"{awake['verdict']}: peak {awake['peak_gib']:.1f} GiB, "
                      f"gradient_checkpointing {awake['gradient_checkpointing']}")
-    if vllm and kv_pool is not None:
-        notes.append(f"vLLM engine of TP {cfg.gen_tp}: a KV pool of {kv_pool / GiB:.1f} GiB a GPU, room for "
-                     f"max_num_seqs={cfg.max_num_seqs} sequences of max length ({seq} tokens), less than "
-                     f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} would give")
-    elif vllm:
-        seqs = vllm_kv_gib * GiB / (kv_token * seq)
-        short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
-        notes.append(f"vLLM engine of TP {cfg.gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x "
-                     f"{cfg.gen_tp} GPUs - weights {2 * P / GiB:.1f} GiB leaves ~{vllm_kv_gib:.0f} GiB of "
-                     f"KV cache = {seqs:.0f} sequences of max length ({seq} tokens) in flight{short}")
+    if vllm:
+        notes.append(vllm_note)
         if vllm_kv_gib <= 0:
             largest = "vllm_awake"
     notes.append(_model_note(n_moe, E, ep, gpu_gib, P))
@@ -163,6 +146,33 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+def _vllm_awake(cfg, m, gpu_gib: float, w: int, seq: int) -> tuple[float, float, str]:
+    """What a colocated vLLM engine takes on each of its GPUs while awake, in GiB: its weights' share, its KV
+    pool (rollout.vllm_kv_cache_bytes, or the user's kv_cache_memory_bytes) and ~1 GiB of activations; or
+    gpu_memory_utilization x GPU where vLLM sizes the pool itself. -> (awake GiB, the engine's KV room over
+    its gen_tp GPUs in GiB (<= 0: the weights leave none), the plan's note)."""
+    P = m.num_params()
+    kv_pool = rollout.vllm_kv_cache_bytes(
+        m, max_model_len=seq, max_num_seqs=cfg.max_num_seqs, gen_tp=cfg.gen_tp,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, gpu_bytes=gpu_gib * GiB, dtype_bytes=w)
+    kv_pool = cfg.vllm_kwargs.get("kv_cache_memory_bytes", kv_pool)  # the engine takes the user's size too
+    if kv_pool is not None:
+        awake = (w * P / cfg.gen_tp + kv_pool + rollout.VLLM_RESERVE_BYTES) / GiB
+        note = (f"vLLM engine of TP {cfg.gen_tp}: a KV pool of {kv_pool / GiB:.1f} GiB a GPU, room for "
+                f"max_num_seqs={cfg.max_num_seqs} sequences of max length ({seq} tokens), less than "
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} would give")
+        return awake, kv_pool * cfg.gen_tp / GiB, note
+    # vLLM fills its share of the GPU: KV room = that less the bf16 weights and ~1 GiB of activations a GPU
+    kv_gib = cfg.gpu_memory_utilization * gpu_gib * cfg.gen_tp - 2 * P / GiB - cfg.gen_tp
+    kv_token = m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim * w  # k and v of every layer
+    seqs = kv_gib * GiB / (kv_token * seq)
+    short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
+    note = (f"vLLM engine of TP {cfg.gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x "
+            f"{cfg.gen_tp} GPUs - weights {2 * P / GiB:.1f} GiB leaves ~{kv_gib:.0f} GiB of "
+            f"KV cache = {seqs:.0f} sequences of max length ({seq} tokens) in flight{short}")
+    return cfg.gpu_memory_utilization * gpu_gib, kv_gib, note
 
 
 def check_host_memory(cfg, model_cfg, world_size: int, ranks_on_node: int, host_gib: float, engine: str):

@@ -743,9 +743,9 @@ def train(cfg: Config):
 
 def freeze_gc_heap():
     """Move every object alive now out of the garbage collector's scans. After the first step these are what
-    lives as long as the run (modules, compiled graphs, engines): on a GPU, a full collection after two compiled
-    steps of the demo took 0.46 s and none after the freeze, and vLLM's sleep runs one every rollout. Garbage
-    is collected first, so only live objects are frozen."""
+    lives as long as the run (modules, compiled graphs, engines): on a GPU, a full collection after two
+    compiled steps of the demo took 0.46 s and none after the freeze, and vLLM's sleep runs one every rollout.
+    Garbage is collected first, so only live objects are frozen."""
     gc.collect()
     gc.freeze()
 
