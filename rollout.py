@@ -392,7 +392,6 @@ def _ensure_process_group():
     os.environ.setdefault("LOCAL_RANK", str(torch.accelerator.current_device_index() if kind != "cpu" else 0))
 
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 VLLM_RESERVE_BYTES = 2**30  # a vLLM engine's activations and CUDA graphs besides its weights and KV cache
 
 
@@ -459,7 +458,7 @@ class VLLMEngine:
             kw["kv_cache_memory_bytes"] = vllm_kv_cache_bytes(
                 config, max_model_len=kw["max_model_len"], max_num_seqs=kw["max_num_seqs"],
                 gen_tp=kw["tensor_parallel_size"], gpu_memory_utilization=kw["gpu_memory_utilization"],
-                gpu_bytes=device_memory_bytes(), dtype_bytes=DTYPE_BYTES[kw["dtype"]])
+                gpu_bytes=device_memory_bytes(), dtype_bytes=getattr(torch, kw["dtype"]).itemsize)
         self.kv_cache_bytes = kw["kv_cache_memory_bytes"]  # None: sized by vLLM from gpu_memory_utilization
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine must live in this process
         from vllm import LLM

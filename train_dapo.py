@@ -742,10 +742,8 @@ def train(cfg: Config):
 
 
 def freeze_gc_heap():
-    """Move every object alive now out of the garbage collector's scans. After the first step these are what
-    lives as long as the run (modules, compiled graphs, engines): on a GPU, a full collection after two
-    compiled steps of the demo took 0.46 s and none after the freeze, and vLLM's sleep runs one every rollout.
-    Garbage is collected first, so only live objects are frozen."""
+    """Take every object alive now (after the first step: what lives as long as the run) out of the garbage
+    collector's scans, which vLLM's sleep runs in full every rollout; garbage is collected first."""
     gc.collect()
     gc.freeze()
 
@@ -772,17 +770,7 @@ def fit(cfg: Config):
         log(f"training {run.total_steps} steps on {dims.world_size} x {dims.device.type}; "
             f"{json.dumps(plan.batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
     version = step  # the policy's weight version: an engine holding another refuses to generate
-    stopping = False
-    # before training, or the resumed step's validation that a stop cut short (it joins that step's row)
-    if run.val_prompts and ((cfg.val_before_train and step == 0) or val_pending):
-        try:
-            metrics = validate(run, cfg, version, step)
-            if dims.is_main:
-                logger.log(step, metrics)
-        except StopRequested:
-            stopping = True
-            what = f"of step {step}" if step else "before training"
-            log(f"stopped by signal during the validation {what}; nothing was trained")
+    stopping = not validate_at_start(run, cfg, logger, step, val_pending)
     consecutive_skips, heap_frozen = 0, False
     while step < run.total_steps and not stopping:
         t_step = time.perf_counter()
@@ -871,6 +859,22 @@ def fit(cfg: Config):
         run.out_dir_lock.close()
     parallel.shutdown()
     return model
+
+
+def validate_at_start(run: Run, cfg: Config, logger, step: int, val_pending: bool) -> bool:
+    """Before training (val_before_train), or the resumed step's validation that a stop cut short (it joins
+    that step's row) -> False if a stop signal came during it."""
+    if not run.val_prompts or not ((cfg.val_before_train and step == 0) or val_pending):
+        return True
+    try:
+        metrics = validate(run, cfg, step, step)  # the weights' version is the step they come from
+    except StopRequested:
+        what = f"of step {step}" if step else "before training"
+        run.log(f"stopped by signal during the validation {what}; nothing was trained")
+        return False
+    if run.dims.is_main:
+        logger.log(step, metrics)
+    return True
 
 
 def logprobs_for_update(run: Run, cfg: Config, batch: Trajectories, timing: dict) -> dict:
@@ -1053,10 +1057,8 @@ def make_vllm_engine(cfg: Config, engines: int, log) -> VLLMEngine:
                         dtype=cfg.dtype, engine_kwargs=engine_kwargs)
     if engine.kv_cache_bytes is None:
         kv_pool = f"KV pool: what gpu_memory_utilization={cfg.gpu_memory_utilization:g} leaves"
-    elif "kv_cache_memory_bytes" in cfg.vllm_kwargs:
-        kv_pool = f"KV pool: {engine.kv_cache_bytes / 2**30:.1f} GiB, from vllm_kwargs"
     else:
-        kv_pool = f"KV pool: {engine.kv_cache_bytes / 2**30:.1f} GiB, for max_num_seqs full-length sequences"
+        kv_pool = f"KV pool: {engine.kv_cache_bytes / 2**30:.1f} GiB"
     log(f"rollout engine: vLLM, {engines} engine(s) of TP {cfg.gen_tp}, started in "
         f"{time.perf_counter() - t0:.0f} s; "
         f"{engine.awake_bytes / 2**30:.1f} GiB each while awake ({kv_pool})")
