@@ -4,6 +4,7 @@ autocast, RNG state; process groups from torchrun and the (dp, sp, tp) mesh; TP,
 compile and FSDP2 (bf16 compute over fp32 master weights); full weights in buckets for the rollout engine;
 objects and rows sent between ranks. Stops, waits and failures across ranks are in reliability.py.
 """
+import contextlib
 import datetime
 import importlib
 import math
@@ -650,6 +651,98 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
                 bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+class OptimizerStateOffload:
+    """optimizer_offload: the optimizer's states (AdamW's exp_avg and exp_avg_sq, 8 bytes a parameter) live in
+    host memory between optimizer steps and on the accelerator only for the step, which runs there. The step's
+    own hooks bring them in and send them back; a checkpoint holds them in with on_device(), and state_dict()
+    or load_state_dict() bring them in until the next step. Each state tensor keeps its identity, so the
+    optimizer's references stay valid: its bytes are copied to the host and its storage is resized to 0 bytes,
+    then resized back and refilled before the next step (as FSDP2 frees and refills its unsharded parameters).
+    The host side is one byte tape made of equal chunks of pinned memory (torch's pinned allocator rounds each
+    allocation up to a power of two: one buffer per tensor could take twice the bytes)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pin: bool, chunk_bytes: int = 2**30):
+        self.optimizer, self.pin, self.chunk_bytes = optimizer, pin, chunk_bytes
+        self.layout = None  # [(key, shape, dtype, storage bytes)] of the states the tape holds
+        self.chunks = []  # the tape
+        self.on_host = False
+        self.held = 0  # on_device() depth: while held, a step leaves the states on the device
+        optimizer.register_step_pre_hook(lambda *_: self.to_device())
+        optimizer.register_step_post_hook(lambda *_: self.to_host())
+        # whoever reads or replaces the states gets them back on the device (until the next step ends)
+        optimizer.register_state_dict_pre_hook(lambda *_: self.to_device())
+        optimizer.register_load_state_dict_pre_hook(lambda *_: self.to_device())
+
+    def states(self) -> list:
+        """[((parameter index, state name), local tensor)] of every tensor state (a DTensor's local shard)."""
+        out = []
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for i, p in enumerate(params):
+            for name, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, DTensor):
+                    value = value.to_local()  # shares the DTensor's storage
+                if isinstance(value, torch.Tensor):
+                    out.append(((i, name), value))
+        return out
+
+    def host_bytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def pieces(self, t: torch.Tensor, offset: int):
+        """(t's bytes [a, b), the tape's chunk slice that holds them), for t stored from tape byte `offset`."""
+        flat = t.reshape(-1).view(torch.uint8)
+        done = 0
+        while done < flat.numel():
+            chunk, start = divmod(offset + done, self.chunk_bytes)
+            n = min(flat.numel() - done, self.chunk_bytes - start)
+            yield flat[done:done + n], self.chunks[chunk][start:start + n]
+            done += n
+
+    def to_host(self):
+        if self.on_host or self.held:
+            return
+        states = self.states()
+        layout = [(key, t.shape, t.dtype, t.untyped_storage().nbytes()) for key, t in states]
+        if layout != self.layout:  # the first step's new states (or a load's other ones): a tape to fit
+            assert all(t.is_contiguous() and t.storage_offset() == 0 for _, t in states)
+            total = sum(t.numel() * t.element_size() for _, t in states)
+            self.chunks = [torch.empty(min(self.chunk_bytes, total - at), dtype=torch.uint8, pin_memory=self.pin)
+                           for at in range(0, total, self.chunk_bytes)]
+            self.layout = layout
+        with torch.no_grad():
+            offset = 0
+            for _, t in states:
+                for device_bytes, host_bytes in self.pieces(t, offset):
+                    host_bytes.copy_(device_bytes, non_blocking=self.pin)
+                offset += t.numel() * t.element_size()
+            for _, t in states:  # the copies are queued on this stream: whatever reuses the memory comes after
+                t.untyped_storage().resize_(0)
+        self.on_host = bool(states)
+
+    def to_device(self):
+        if not self.on_host:
+            return
+        with torch.no_grad():
+            offset = 0
+            for (_, t), (_, _, _, nbytes) in zip(self.states(), self.layout):
+                t.untyped_storage().resize_(nbytes)
+                for device_bytes, host_bytes in self.pieces(t, offset):
+                    device_bytes.copy_(host_bytes, non_blocking=self.pin)
+                offset += t.numel() * t.element_size()
+        self.on_host = False
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """The states on the device for the block (a checkpoint's save or load), and on the host after it."""
+        self.to_device()
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+            self.to_host()
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> float:

@@ -17,13 +17,15 @@ from hf import KNOWN_CONFIGS, load_config
 from model import ModelConfig
 
 GiB = 2**30
-MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / generation: one at a time
+# term -> (phase, label). resident: all run long; training / generation: one at a time; step: the optimizer
+# step, with the gradients, where optimizer_offload brings the AdamW states in for it
+MEMORY_TERMS = {
     "params": ("resident", "fp32 params (FSDP/TP shard)"),
-    "grads": ("resident", "fp32 grads (shard)"),
     "optimizer": ("resident", "AdamW exp_avg + exp_avg_sq (shard)"),
     "ref_params": ("resident", "reference model fp32 params (shard)"),
     "engine_weights": ("resident", "rollout engine's full weight copy"),
     "runtime": ("resident", "CUDA context, NCCL, allocator slack"),
+    "grads": ("training", "fp32 grads (shard)"),
     "working": ("training", "unsharded compute-dtype weights"),
     "activations": ("training", "activations of one micro-batch"),
     "a2a_buffers": ("training", "EP all-to-all send + receive rows"),
@@ -33,6 +35,7 @@ MEMORY_TERMS = {  # term -> (phase, label). resident: all run long; training / g
     "vllm_awake": ("generation", "vLLM awake: weights + KV pool"),
     "sync_bucket": ("generation", "weight push: a bucket + one full param"),
 }
+PHASES = ("resident", "training", "generation", "step")
 
 
 def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: float = 3.0,
@@ -70,13 +73,18 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     # every GPU run is FSDP2 (one GPU: a mesh of one); experts: 1/ep of each stack per EP rank, FSDP over
     # fsdp / ep: 1/fsdp a GPU, as without EP
     per_gpu = by_tp / (fsdp * tp) + (P - by_tp) / fsdp  # params held by one GPU
-    offload = cfg.param_offload or cfg.optimizer_offload
     use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
 
     state = {"params": 4 * per_gpu, "grads": 4 * per_gpu, "optimizer": 8 * per_gpu,
              "ref_params": 4 * per_gpu if use_ref else 0}
-    gib = {k: 0.0 if offload else v / GiB for k, v in state.items()}
-    host_gib = sum(state.values()) / GiB if offload else 0.0
+    if cfg.param_offload:  # FSDP2's CPU offload: all of it on the host
+        host = dict(state)
+    elif cfg.optimizer_offload:  # the AdamW states on the host, on the GPU for the step
+        host = {"optimizer": state["optimizer"]}
+    else:
+        host = {}
+    gib = {k: 0.0 if k in host else v / GiB for k, v in state.items()}
+    host_gib = sum(host.values()) / GiB
     gib.update(engine_weights=w * P / GiB, runtime=runtime_gib)
     block_params = []  # one GPU's share of a block's weights, for each kind of block the model has
     if n_moe < L:
@@ -119,9 +127,11 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     phase = {k: MEMORY_TERMS[k][0] for k in gib}
     if not cfg.free_cache_engine:  # the engine stays awake through training
         phase["vllm_awake"] = phase["kv_cache"] = "resident"
-    total = {p: sum(v for k, v in gib.items() if phase[k] == p)
-             for p in ("resident", "training", "generation")}
-    peak_phase = "training" if total["training"] >= total["generation"] else "generation"
+    if cfg.optimizer_offload and not cfg.param_offload:
+        gib["optimizer"], phase["optimizer"] = state["optimizer"] / GiB, "step"
+    total = {p: sum(v for k, v in gib.items() if phase[k] == p) for p in PHASES}
+    total["step"] += gib["grads"]  # the step reads the gradients
+    peak_phase = max(("training", "generation", "step"), key=total.get)  # ties: the first
     peak = total["resident"] + total[peak_phase]
     fits = peak <= gpu_gib and (not vllm or vllm_kv_gib > 0)
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
@@ -142,7 +152,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "num_params": P, "num_active_params": m.num_active_params(), "engine": engine,
             "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase,
             "host_gib": host_gib, "resident_gib": total["resident"], "training_gib": total["training"],
-            "generation_gib": total["generation"], "peak_gib": peak, "peak_phase": peak_phase,
+            "generation_gib": total["generation"], "step_gib": total["step"], "peak_gib": peak, "peak_phase": peak_phase,
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
@@ -176,16 +186,20 @@ def _vllm_awake(cfg, m, gpu_gib: float, w: int, seq: int) -> tuple[float, float,
 
 
 def check_host_memory(cfg, model_cfg, world_size: int, ranks_on_node: int, host_gib: float, engine: str):
-    """param_offload / optimizer_offload keep each rank's fp32 weights, gradients and AdamW states in host
-    memory: refuse, before anything is loaded, a run whose ranks on one node would need more than 90% of it
-    (the OOM killer would end it mid-step; the rest is the processes' own)."""
+    """param_offload keeps each rank's fp32 weights, gradients and AdamW states in host memory,
+    optimizer_offload its AdamW states: refuse, before anything is loaded, a run whose ranks on one node would
+    need more than 90% of it (the OOM killer would end it mid-step; the rest is the processes' own)."""
     per_rank = memory_plan(cfg, model_cfg, world_size, 80.0, engine=engine)["host_gib"]
     if per_rank * ranks_on_node > 0.9 * host_gib:
+        if cfg.param_offload:
+            what, alone = "param_offload: the offloaded fp32 weights, gradients and AdamW states", (
+                ", optimizer_offload alone (only the AdamW states on the host)")
+        else:
+            what, alone = "optimizer_offload: the offloaded AdamW states", ""
         raise ConfigError(
-            f"param_offload / optimizer_offload: the offloaded fp32 weights, gradients and AdamW states take "
-            f"{per_rank:.1f} GiB of host memory per GPU, {per_rank * ranks_on_node:.1f} GiB for the "
+            f"{what} take {per_rank:.1f} GiB of host memory per GPU, {per_rank * ranks_on_node:.1f} GiB for the "
             f"{ranks_on_node} GPU(s) on this node, which has {host_gib:.0f} GiB (at most 90% of it can go to "
-            "them); shard them over more GPUs (n_gpus_per_node, nnodes) or train a smaller model")
+            f"them); shard them over more GPUs (n_gpus_per_node, nnodes){alone} or train a smaller model")
 
 
 def block_activation_bytes(m, layer: int, tp: int = 1, compiled: bool = True) -> float:
@@ -235,9 +249,12 @@ def _model_note(n_moe: int, E: int, ep: int, gpu_gib: float, P: int) -> str:
 def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     """What to turn when `term` is the largest part of a peak that does not fit."""
     budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
-    if term in ("params", "grads", "optimizer", "ref_params"):
-        return ("param_offload=True + optimizer_offload=True (states to the host), or more GPUs "
+    if term in ("params", "grads", "optimizer", "ref_params") and not cfg.optimizer_offload:
+        return ("optimizer_offload=True (the AdamW states on the host between optimizer steps), or more GPUs "
                 "(smaller shards)")
+    if term in ("params", "grads", "optimizer", "ref_params"):
+        return ("param_offload=True (weights, gradients and the optimizer step on the host: much slower), or "
+                "more GPUs (smaller shards)")
     if term == "working" and moe:
         return "ep_size (splits each MoE layer's experts over ep_size GPUs)"
     if term == "working":
@@ -282,13 +299,14 @@ def format_memory_plan(plans: list[dict]) -> str:
            f"dp {p0['dp']}{sp} x tp {p0['tp']}{ep}, {p0['tokens_per_micro_batch']} tokens per update "
            f"micro-batch{per_gpu}, KV cache {p0['kv_rows']} rows",
            f"  {'':11}{'':38}" + cols(head)]
-    for phase in ("resident", "training", "generation"):
+    for phase in PHASES:
         for i, (term, (_, label)) in enumerate((t, v) for t, v in MEMORY_TERMS.items()
                                                if p0["phase"][t] == phase):
             out.append(f"  {phase if i == 0 else '':11}{label:38}"
                        + cols(f"{p['gib'][term]:.2f}" for p in plans))
     for key, label in (("host_gib", "host (offloaded states), per GPU"), ("resident_gib", "resident"),
                        ("training_gib", "training phase"), ("generation_gib", "generation phase"),
+                       ("step_gib", "optimizer step phase (+ grads)"),
                        ("peak_gib", "peak = resident + max(phases)")):
         out.append(f"  {'':11}{label:38}" + cols(f"{p[key]:.2f}" for p in plans))
     out.append(f"  {'':11}{'gradient_checkpointing':38}"

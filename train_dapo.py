@@ -19,6 +19,7 @@ One training step, in the order this file reads:
  3. score them (verifier + overlong shaping)   7. ppo_epochs x mini-batches of clipped policy-gradient updates
  4. keep groups with reward variance, refill   8. metrics, validation, checkpoint
 """
+import contextlib
 import functools
 import gc
 import itertools
@@ -163,8 +164,10 @@ class Config:
     ep_size: int = 1  # expert parallelism (MoE): ranks of the dp x sp ranks that split each layer's experts
     # torch.compile the decoder blocks (the built-in engine's too): "auto" = on CUDA GPUs, eager elsewhere
     compile: bool | str = "auto"
-    param_offload: bool = False  # FSDP2 CPU offload of parameters (and, with it, gradients + optimizer step)
-    optimizer_offload: bool = False  # same policy as param_offload: FSDP2 offloads all three together
+    # FSDP2's CPU offload: the fp32 params, gradients and AdamW states on the host, the optimizer step there too
+    param_offload: bool = False
+    # AdamW's states (8 bytes a parameter) on the host between optimizer steps, on the GPU for the step itself
+    optimizer_offload: bool = False
     # schedule
     total_epochs: int = 1
     total_training_steps: int = 0  # 0 = derived from total_epochs; a step = train_batch_size kept groups
@@ -668,7 +671,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 optimizer.step()
             else:  # a non-finite loss or gradient would poison the weights: skip and log it
                 skipped += 1
-                optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for the rollout
             scheduler.step()
             grad_norms.append(grad_norm)
     sums = parallel.sum_over_dp(sums, dims)  # the dp ranks' shares add up; TP/SP ranks hold copies
@@ -719,6 +722,7 @@ class Run:
     model: torch.nn.Module = None  # the policy: fp32 master weights
     ref_model: torch.nn.Module | None = None  # only when a KL term is on
     optimizer: torch.optim.Optimizer = None
+    optimizer_states: parallel.OptimizerStateOffload | None = None  # optimizer_offload
     scheduler: torch.optim.lr_scheduler.LambdaLR = None
     total_steps: int = 0
     out_dir_lock: typing.IO | None = None  # held by rank 0 for the whole run
@@ -971,7 +975,7 @@ def setup(cfg: Config) -> Run:
                    sampler=sampler, scorer=scorer, engine=engine, gen_tp=cfg.gen_tp,
                    compute_dtype=compute_dtype, log=log)
 
-    if cfg.param_offload or cfg.optimizer_offload:
+    if cfg.param_offload or cfg.optimizer_offload:  # before anything is loaded
         plan.check_host_memory(cfg, load_config(cfg.model_path), dims.world_size,
                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parallel.host_memory_gib(),
                                engine_kind)
@@ -988,10 +992,9 @@ def setup(cfg: Config) -> Run:
     shard = None  # how from_pretrained wraps each module it builds
     if dims.sharded:
         shard = functools.partial(parallel.parallelize, dims=dims, param_dtype=compute_dtype,
-                                  offload=cfg.param_offload or cfg.optimizer_offload, compile=compile_blocks)
+                                  offload=cfg.param_offload, compile=compile_blocks)
     # FSDP's CPU offload wants the shards materialized on the host
-    offload = cfg.param_offload or cfg.optimizer_offload
-    policy_device = torch.device("cpu") if offload else dims.device
+    policy_device = torch.device("cpu") if cfg.param_offload else dims.device
     model = from_pretrained(cfg.model_path, dtype=torch.float32, device=policy_device, parallelize=shard)
     if compile_blocks:
         log(f"torch.compile: the policy's decoder blocks (compile={cfg.compile!r}), shapes dynamic from the "
@@ -1030,16 +1033,21 @@ def setup(cfg: Config) -> Run:
             features.append("compiled blocks")
         log(f"rollout engine: torch ({', '.join(features)})")
     # no full-size temporaries
-    fused = dims.device.type == "cuda" and not (cfg.param_offload or cfg.optimizer_offload)
+    fused = dims.device.type == "cuda" and not cfg.param_offload
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                   weight_decay=cfg.weight_decay,
                                   fused=fused or None)  # None, not False: False would turn foreach off too
+    optimizer_states = None
+    if cfg.optimizer_offload and not cfg.param_offload:  # param_offload keeps the states on the host anyway
+        optimizer_states = parallel.OptimizerStateOffload(optimizer, pin=dims.device.type != "cpu")
+        log("optimizer_offload: AdamW's states on the host between optimizer steps, on the GPU for each step")
     steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
     total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
     scheduler = make_scheduler(optimizer, cfg, total_steps * plan.optimizer_steps_per_step(cfg))
     return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
                sampler=sampler, scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype,
-               log=log, model=model, ref_model=ref_model, optimizer=optimizer, scheduler=scheduler,
+               log=log, model=model, ref_model=ref_model, optimizer=optimizer,
+               optimizer_states=optimizer_states, scheduler=scheduler,
                total_steps=total_steps, out_dir_lock=out_dir_lock)
 
 
@@ -1078,13 +1086,21 @@ def restore(cfg: Config, run: Run) -> tuple[int, bool]:
     optimizer, scheduler and sampler -> (the step it holds (0 = a fresh start), whether that step's
     validation is still to run: a stop cut it short).
     checkpoint.resume_state says what all-or-nothing means."""
-    state = checkpoint.resume_state(cfg.resume, cfg.out_dir, run.model, run.optimizer, run.dims, run.log)
+    with optimizer_states_on_device(run):
+        state = checkpoint.resume_state(cfg.resume, cfg.out_dir, run.model, run.optimizer, run.dims, run.log)
     if state is None:
         return 0, False
     run.scheduler.load_state_dict(state["scheduler"])
     run.sampler.load_state_dict(state["sampler"])
     checkpoint.apply_optimizer_knobs(cfg, run.optimizer, run.scheduler, run.log)
     return state["step"], state.get("val_pending", False)  # absent from older checkpoints
+
+
+def optimizer_states_on_device(run: Run):
+    """optimizer_offload: the optimizer's states where a checkpoint can read and write them, for a with block."""
+    if run.optimizer_states is None:
+        return contextlib.nullcontext()
+    return run.optimizer_states.on_device()
 
 
 def save_checkpoint(cfg: Config, run: Run, step: int, val_pending: bool = False):
@@ -1095,8 +1111,9 @@ def save_checkpoint(cfg: Config, run: Run, step: int, val_pending: bool = False)
     state = {"step": step, "scheduler": run.scheduler.state_dict(), "sampler": sampler_state(run),
              "val_pending": val_pending}
     t0 = time.perf_counter()
-    checkpoint.save(cfg.out_dir, step, run.model, run.optimizer, state, run.dims, dtype=run.compute_dtype,
-                    model_path=cfg.model_path, keep_last=cfg.keep_last)
+    with optimizer_states_on_device(run):
+        checkpoint.save(cfg.out_dir, step, run.model, run.optimizer, state, run.dims, dtype=run.compute_dtype,
+                        model_path=cfg.model_path, keep_last=cfg.keep_last)
     # what a stop signal needs on top of the step in flight: a launcher's grace period must cover it
     run.log(f"checkpoint step_{step} written in {time.perf_counter() - t0:.1f} s")
 

@@ -95,8 +95,8 @@ def test_memory_plan_dp4_tp2_by_hand():
 
 def test_memory_plan_peak_is_resident_plus_larger_phase_and_verdict_flips():
     cfg, mc = planner_cfg(), planner_model()
-    resident = 4 * 165_312 + 404_608  # params, grads, AdamW (2x), engine copy
-    training = 586_752 + 262_144 + 192_000  # working weights, activations, log-prob buffer
+    resident = 3 * 165_312 + 404_608  # params, AdamW (2x), engine copy
+    training = 165_312 + 586_752 + 262_144 + 192_000  # grads, working weights, activations, log-prob buffer
     peak = resident + max(training, 131_072)
     small = plan.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 0.99, runtime_gib=0)
     large = plan.memory_plan(cfg, mc, 8, gpu_gib=peak / GiB * 1.01, runtime_gib=0)
@@ -133,6 +133,27 @@ def test_memory_plan_counts_the_kept_logits_of_a_compiled_head_without_checkpoin
         assert b["logprob_buffer"] == chunk + kept, kw
 
 
+def test_optimizer_offload_brings_the_adamw_states_in_for_the_step_only():
+    """optimizer_offload alone: the AdamW states (8 bytes a parameter of the shard) go to the host and count on
+    the GPU in the optimizer step's phase, with the gradients it reads, not through training and generation."""
+    b0 = plan.memory_plan(planner_cfg(), planner_model(), 8, 80, runtime_gib=0)
+    p = plan.memory_plan(planner_cfg(optimizer_offload=True), planner_model(), 8, 80, runtime_gib=0)
+    assert round(p["host_gib"] * GiB) == 8 * 41_328 and p["phase"]["optimizer"] == "step"
+    assert round(p["step_gib"] * GiB) == 4 * 41_328 + 8 * 41_328  # grads + states
+    assert round((b0["resident_gib"] - p["resident_gib"]) * GiB) == 8 * 41_328
+    assert p["gib"]["params"] > 0 and p["training_gib"] == b0["training_gib"]
+    # one GPU, no engine weights to speak of: the step (grads 4 + states 8 bytes a parameter) is the peak
+    one = plan.memory_plan(planner_cfg(tp_size=1, optimizer_offload=True), planner_model(), 1, 80, runtime_gib=0)
+    assert one["peak_phase"] == "step"
+    assert round(one["peak_gib"] * GiB) == round((one["resident_gib"] + one["step_gib"]) * GiB)
+    assert round(one["step_gib"] * GiB) == 12 * 202_304
+    # not fitting: first optimizer_offload, then param_offload
+    assert "optimizer_offload=True" in plan.memory_plan(planner_cfg(tp_size=1), planner_model(), 1, 1e-4)["knob"]
+    tight = plan.memory_plan(planner_cfg(tp_size=1, optimizer_offload=True), planner_model(), 1, 1e-4)
+    assert tight["largest"] in ("params", "optimizer", "grads") and "param_offload=True" in tight["knob"]
+    assert "optimizer step phase" in plan.format_memory_plan([p])
+
+
 def test_offload_that_would_fill_the_host_is_refused_before_loading():
     """Qwen2.5-7B's fp32 weights, gradients and AdamW states: 16 bytes x 7.62B = 113.5 GiB a GPU on one, which
     a 125 GiB host cannot give (90% is 112.5); 4 GPUs of a node in a world of 8 need 4 x 14.2 GiB."""
@@ -143,6 +164,10 @@ def test_offload_that_would_fill_the_host_is_refused_before_loading():
             plan.check_host_memory(cfg, mc, world, on_node, 125.0, "vllm")
     plan.check_host_memory(cfg, mc, 8, 4, 125.0, "vllm")  # 56.8 GiB on each node
     plan.check_host_memory(planner_cfg(tp_size=1), mc, 1, 1, 125.0, "vllm")  # nothing offloaded
+    # the AdamW states alone, 8 x 7.62B = 56.7 GiB on one GPU: they fit on this host, not on a 60 GiB one
+    plan.check_host_memory(planner_cfg(optimizer_offload=True, tp_size=1), mc, 1, 1, 125.0, "vllm")
+    with pytest.raises(config.ConfigError, match=r"optimizer_offload: the offloaded AdamW states take 56\.7 GiB"):
+        plan.check_host_memory(planner_cfg(optimizer_offload=True, tp_size=1), mc, 1, 1, 60.0, "vllm")
 
 
 def test_memory_plan_without_checkpointing_keeps_every_block():

@@ -1,5 +1,6 @@
 """parallel.py on CPU: 2-process (gloo) FSDP2, TP and FSDP+TP runs against a single process, the
 distributed update against the single-process one, checkpoints across world sizes, device selection."""
+import copy
 import os
 import sys
 import types
@@ -224,3 +225,45 @@ def test_router_replay_rows_reach_only_the_ranks_that_train_on_them(model_dir, t
         generated = {i for i in range(24) if (7 * i) % nproc == rank}
         used = set(out["update"][rank][1]) | set(out["logprobs"][rank][1])
         assert set(held) == generated | used
+
+
+def test_optimizer_state_offload_steps_as_without_it_and_frees_the_states_between_steps():
+    """optimizer_offload on plain host tensors (the mechanism is the same on a GPU, where the tape is pinned):
+    three AdamW steps give the weights of three without it, bit for bit; between steps every state's
+    storage is 0 bytes and its bytes sit in the host buffers; state_dict() and a checkpoint's on_device()
+    bring them back, and a loaded state dict is what the next step uses."""
+    def run(offload: bool, steps: int = 3):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        # 64-byte chunks: the 128-byte states straddle them
+        states = parallel.OptimizerStateOffload(opt, pin=False, chunk_bytes=64) if offload else None
+        for _ in range(steps):
+            m(torch.randn(5, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if states is not None:
+                assert [t.untyped_storage().nbytes() for _, t in states.states()] == [0] * 6
+                # exp_avg, exp_avg_sq and step of each parameter, in 64-byte chunks
+                assert states.host_bytes() == 2 * 4 * (32 + 4) + 2 * 4
+                assert [c.numel() for c in states.chunks] == [64] * 4 + [40]
+        return m, opt, states
+
+    plain_model, plain_opt, _ = run(False)
+    model, opt, states = run(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain_model.parameters(), model.parameters()))
+    with states.on_device():  # a checkpoint reads them
+        for (_, t), (_, u) in zip(states.states(), parallel.OptimizerStateOffload(plain_opt, pin=False).states()):
+            assert torch.equal(t, u)
+    assert all(t.untyped_storage().nbytes() == 0 for _, t in states.states())
+    saved = copy.deepcopy(opt.state_dict())  # brings them in (until the next step, which frees its tensors)
+    assert all(t.untyped_storage().nbytes() > 0 for _, t in states.states())
+    opt.step()  # no gradients: AdamW leaves the states; the hooks send them out
+    opt.load_state_dict({**saved, "state": {k: {n: v.clone() + 1 if n != "step" else v for n, v in st.items()}
+                                            for k, st in saved["state"].items()}})
+    assert all(t.untyped_storage().nbytes() > 0 for _, t in states.states())  # loaded: on the device
+    opt.step()
+    with states.on_device():  # the loaded values, not the host buffers' older bytes
+        for (_, t), (key, _) in zip(states.states(), states.states()):
+            if key[1] != "step":
+                assert torch.equal(t, saved["state"][key[0]][key[1]] + 1)

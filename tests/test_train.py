@@ -217,10 +217,14 @@ def grads_after_update(cfg, traj, m=None):
                               num_attention_heads=2, num_key_value_heads=1)
         m = M.Transformer(cfg_m).init_weights(seed=0).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    seen = []  # the gradients the optimizer step reads (update_policy frees them after it)
+    opt.register_step_pre_hook(lambda *_: seen.append(torch.cat([
+        p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in m.parameters()])))
     sched = T.make_scheduler(opt, cfg, 1)
     T.update_policy(m, opt, sched, traj, cfg, parallel.init_distributed("cpu"))
-    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten()
-                      for p in m.parameters()])
+    assert len(seen) == 1  # one mini-batch: one optimizer step
+    assert all(p.grad is None for p in m.parameters())  # freed for the rollout
+    return seen[0]
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -336,9 +340,12 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
     if importlib.util.find_spec("matplotlib"):
         assert plot.main([str(full)]) == 0 and (full / "metrics.png").stat().st_size > 10_000
 
+    # the stopped and resumed run keeps AdamW's states on the host between steps (optimizer_offload): the step,
+    # the checkpoint and the resume bring them in, and the metrics are the uninterrupted run's
     part = tmp_path / "part"
-    T.train(tiny_train_config(tiny_dir, part, total_training_steps=1, **demo))  # "stopped" after step 1
-    T.train(tiny_train_config(tiny_dir, part, total_training_steps=3, **demo))  # resume="auto"
+    offload = dict(optimizer_offload=True, **demo)
+    T.train(tiny_train_config(tiny_dir, part, total_training_steps=1, **offload))  # "stopped" after step 1
+    T.train(tiny_train_config(tiny_dir, part, total_training_steps=3, **offload))  # resume="auto"
     resumed = [r for r in read_metrics(part) if r["step"] != 1 or "train/acc" in r]
     by_step = {r["step"]: r for r in stable(resumed) if "train/acc" in r}
     expected = {r["step"]: r for r in stable(rows) if "train/acc" in r}
