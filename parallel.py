@@ -691,7 +691,7 @@ class OptimizerStateOffload:
         return sum(c.numel() for c in self.chunks)
 
     def pieces(self, t: torch.Tensor, offset: int):
-        """(t's bytes [a, b), the tape's chunk slice that holds them), for t stored from tape byte `offset`."""
+        """(t's bytes [a, b), the tape's chunk slice holding them) for t stored from tape byte `offset`."""
         flat = t.reshape(-1).view(torch.uint8)
         done = 0
         while done < flat.numel():
@@ -708,8 +708,8 @@ class OptimizerStateOffload:
         if layout != self.layout:  # the first step's new states (or a load's other ones): a tape to fit
             assert all(t.is_contiguous() and t.storage_offset() == 0 for _, t in states)
             total = sum(t.numel() * t.element_size() for _, t in states)
-            self.chunks = [torch.empty(min(self.chunk_bytes, total - at), dtype=torch.uint8, pin_memory=self.pin)
-                           for at in range(0, total, self.chunk_bytes)]
+            sizes = [min(self.chunk_bytes, total - at) for at in range(0, total, self.chunk_bytes)]
+            self.chunks = [torch.empty(n, dtype=torch.uint8, pin_memory=self.pin) for n in sizes]
             self.layout = layout
         with torch.no_grad():
             offset = 0
@@ -717,7 +717,7 @@ class OptimizerStateOffload:
                 for device_bytes, host_bytes in self.pieces(t, offset):
                     host_bytes.copy_(device_bytes, non_blocking=self.pin)
                 offset += t.numel() * t.element_size()
-            for _, t in states:  # the copies are queued on this stream: whatever reuses the memory comes after
+            for _, t in states:  # the copies are queued on this stream: whatever reuses the memory follows
                 t.untyped_storage().resize_(0)
         self.on_host = bool(states)
 

@@ -152,7 +152,8 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "num_params": P, "num_active_params": m.num_active_params(), "engine": engine,
             "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase,
             "host_gib": host_gib, "resident_gib": total["resident"], "training_gib": total["training"],
-            "generation_gib": total["generation"], "step_gib": total["step"], "peak_gib": peak, "peak_phase": peak_phase,
+            "generation_gib": total["generation"], "step_gib": total["step"], "peak_gib": peak,
+            "peak_phase": peak_phase,
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
@@ -192,14 +193,15 @@ def check_host_memory(cfg, model_cfg, world_size: int, ranks_on_node: int, host_
     per_rank = memory_plan(cfg, model_cfg, world_size, 80.0, engine=engine)["host_gib"]
     if per_rank * ranks_on_node > 0.9 * host_gib:
         if cfg.param_offload:
-            what, alone = "param_offload: the offloaded fp32 weights, gradients and AdamW states", (
-                ", optimizer_offload alone (only the AdamW states on the host)")
+            what = "param_offload: the offloaded fp32 weights, gradients and AdamW states"
+            alone = ", optimizer_offload alone (only the AdamW states on the host)"
         else:
             what, alone = "optimizer_offload: the offloaded AdamW states", ""
         raise ConfigError(
-            f"{what} take {per_rank:.1f} GiB of host memory per GPU, {per_rank * ranks_on_node:.1f} GiB for the "
-            f"{ranks_on_node} GPU(s) on this node, which has {host_gib:.0f} GiB (at most 90% of it can go to "
-            f"them); shard them over more GPUs (n_gpus_per_node, nnodes){alone} or train a smaller model")
+            f"{what} take {per_rank:.1f} GiB of host memory per GPU, {per_rank * ranks_on_node:.1f} GiB "
+            f"for the {ranks_on_node} GPU(s) on this node, which has {host_gib:.0f} GiB (at most 90% of it "
+            f"can go to them); shard them over more GPUs (n_gpus_per_node, nnodes){alone} or train a smaller "
+            "model")
 
 
 def block_activation_bytes(m, layer: int, tp: int = 1, compiled: bool = True) -> float:

@@ -486,7 +486,7 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM needs ~{self.awake_bytes / 2**30:.1f} GiB back (weights + KV cache) to "
                                f"wake up but only {free / 2**30:.1f} GiB are free next to training: lower "
                                "gpu_memory_utilization or max_num_seqs (its KV pool), or turn on "
-                               "param_offload / optimizer_offload")
+                               "optimizer_offload (or param_offload)")
         self.llm.wake_up(tags=tags)
         self.awake.update(tags)
 

@@ -164,7 +164,7 @@ class Config:
     ep_size: int = 1  # expert parallelism (MoE): ranks of the dp x sp ranks that split each layer's experts
     # torch.compile the decoder blocks (the built-in engine's too): "auto" = on CUDA GPUs, eager elsewhere
     compile: bool | str = "auto"
-    # FSDP2's CPU offload: the fp32 params, gradients and AdamW states on the host, the optimizer step there too
+    # FSDP2's CPU offload: fp32 params, gradients and AdamW states on the host, the optimizer step there too
     param_offload: bool = False
     # AdamW's states (8 bytes a parameter) on the host between optimizer steps, on the GPU for the step itself
     optimizer_offload: bool = False
@@ -1097,7 +1097,7 @@ def restore(cfg: Config, run: Run) -> tuple[int, bool]:
 
 
 def optimizer_states_on_device(run: Run):
-    """optimizer_offload: the optimizer's states where a checkpoint can read and write them, for a with block."""
+    """optimizer_offload: the optimizer's states where a checkpoint can read and write them (a with block)."""
     if run.optimizer_states is None:
         return contextlib.nullcontext()
     return run.optimizer_states.on_device()

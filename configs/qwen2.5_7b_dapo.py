@@ -24,7 +24,7 @@
 # fp32 states, ~15 GiB a GPU, stay beside it). rollout_engine='torch' runs the built-in engine instead (--dry_run
 # shows its memory: a full weight copy per GPU and a static KV cache).
 # The --dry_run planner: peak ~67 GiB per GPU on 80 GiB while vLLM is awake (~174 GiB of KV cache per engine:
-# ~318 full-length sequences in flight); on 141 GiB GPUs ~103 GiB.
+# ~318 full-length sequences in flight); on 141 GiB GPUs ~113 GiB.
 
 import os
 

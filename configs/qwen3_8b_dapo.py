@@ -25,8 +25,8 @@
 # overlong penalty over the last 4096, and validation with Qwen3's recommended thinking-mode sampling
 # (T 0.6, top_p 0.95, top_k 20). Rollout: the in-process vLLM engine, two engines of TP 4 per node at
 # gpu_memory_utilization 0.6 (rollout_engine='torch' for the built-in engine).
-# The --dry_run planner: peak ~68 GiB per GPU on 80 GiB while vLLM is awake (~173 GiB of KV cache per engine:
-# ~68 full-length sequences in flight); on 141 GiB GPUs ~104 GiB.
+# The --dry_run planner: peak ~65 GiB per GPU on 80 GiB while vLLM is awake (~173 GiB of KV cache per engine:
+# ~68 full-length sequences in flight); on 141 GiB GPUs ~120 GiB during the update ('auto' checkpoints fewer blocks).
 
 import os
 
