@@ -13,6 +13,7 @@ import pickle
 import random
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -669,6 +670,7 @@ class OptimizerStateOffload:
         self.chunks = []  # the tape
         self.on_host = False
         self.held = 0  # on_device() depth: while held, a step leaves the states on the device
+        self.seconds = 0.0  # spent moving the states, both ways, since the last pop_seconds()
         optimizer.register_step_pre_hook(lambda *_: self.to_device())
         optimizer.register_step_post_hook(lambda *_: self.to_host())
         # whoever reads or replaces the states gets them back on the device (until the next step ends)
@@ -690,6 +692,16 @@ class OptimizerStateOffload:
     def host_bytes(self) -> int:
         return sum(c.numel() for c in self.chunks)
 
+    def pop_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def _count(self, t0: float):
+        """Add the time since t0 to self.seconds, the queued copies included."""
+        if self.pin:  # an accelerator's copies run after this returns: wait for them
+            torch.accelerator.synchronize()
+        self.seconds += time.perf_counter() - t0
+
     def pieces(self, t: torch.Tensor, offset: int):
         """(t's bytes [a, b), the tape's chunk slice holding them) for t stored from tape byte `offset`."""
         flat = t.reshape(-1).view(torch.uint8)
@@ -703,6 +715,7 @@ class OptimizerStateOffload:
     def to_host(self):
         if self.on_host or self.held:
             return
+        t0 = time.perf_counter()
         states = self.states()
         layout = [(key, t.shape, t.dtype, t.untyped_storage().nbytes()) for key, t in states]
         if layout != self.layout:  # the first step's new states (or a load's other ones): a tape to fit
@@ -720,10 +733,12 @@ class OptimizerStateOffload:
             for _, t in states:  # the copies are queued on this stream: whatever reuses the memory follows
                 t.untyped_storage().resize_(0)
         self.on_host = bool(states)
+        self._count(t0)
 
     def to_device(self):
         if not self.on_host:
             return
+        t0 = time.perf_counter()
         with torch.no_grad():
             offset = 0
             for (_, t), (_, _, _, nbytes) in zip(self.states(), self.layout):
@@ -732,10 +747,13 @@ class OptimizerStateOffload:
                     device_bytes.copy_(host_bytes, non_blocking=self.pin)
                 offset += t.numel() * t.element_size()
         self.on_host = False
+        self._count(t0)
 
     @contextlib.contextmanager
     def on_device(self):
-        """The states on the device for the block (a checkpoint's save or load), and on the host after it."""
+        """The states on the device for the block (a checkpoint's save or load), and on the host after it;
+        seconds counts the optimizer steps' moves only."""
+        seconds = self.seconds
         self.to_device()
         self.held += 1
         try:
@@ -743,6 +761,7 @@ class OptimizerStateOffload:
         finally:
             self.held -= 1
             self.to_host()
+            self.seconds = seconds
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> float:

@@ -810,6 +810,8 @@ def fit(cfg: Config):
         # 7. update
         with timed("update_actor", timing):
             metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, dims))
+        if run.optimizer_states is not None:  # optimizer_offload's share of the update
+            metrics["perf/optimizer_offload_s"] = run.optimizer_states.pop_seconds()
         version += 1
         step += 1
         fault_point("update", step)

@@ -252,10 +252,11 @@ def test_optimizer_state_offload_steps_as_without_it_and_frees_the_states_betwee
     plain_model, plain_opt, _ = run(False)
     model, opt, states = run(True)
     assert all(torch.equal(p, q) for p, q in zip(plain_model.parameters(), model.parameters()))
+    assert states.pop_seconds() > 0 and states.seconds == 0  # the moves' time, for the step's metrics
     with states.on_device():  # a checkpoint reads them
         for (_, t), (_, u) in zip(states.states(), parallel.OptimizerStateOffload(plain_opt, pin=False).states()):
             assert torch.equal(t, u)
-    assert all(t.untyped_storage().nbytes() == 0 for _, t in states.states())
+    assert all(t.untyped_storage().nbytes() == 0 for _, t in states.states()) and states.seconds == 0
     saved = copy.deepcopy(opt.state_dict())  # brings them in (until the next step, which frees its tensors)
     assert all(t.untyped_storage().nbytes() > 0 for _, t in states.states())
     opt.step()  # no gradients: AdamW leaves the states; the hooks send them out

@@ -347,6 +347,8 @@ def test_end_to_end_steps_and_exact_resume(tiny_dir, tmp_path):
     T.train(tiny_train_config(tiny_dir, part, total_training_steps=1, **offload))  # "stopped" after step 1
     T.train(tiny_train_config(tiny_dir, part, total_training_steps=3, **offload))  # resume="auto"
     resumed = [r for r in read_metrics(part) if r["step"] != 1 or "train/acc" in r]
+    assert all(r["perf/optimizer_offload_s"] > 0 for r in resumed if "train/acc" in r)
+    assert not any("perf/optimizer_offload_s" in r for r in rows)
     by_step = {r["step"]: r for r in stable(resumed) if "train/acc" in r}
     expected = {r["step"]: r for r in stable(rows) if "train/acc" in r}
     for s in (1, 2, 3):
