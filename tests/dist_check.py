@@ -23,6 +23,7 @@
                         forward + backward with the router aux loss (log-probs per document, losses, full
                         gradients), AdamW steps, then the full weights in HF names and the push's bucket sizes
 """
+import contextlib
 import os
 import sys
 
@@ -243,6 +244,10 @@ def main(mode, ckpt_dir, out):
     model = hf.from_pretrained(ckpt_dir, dtype=torch.float32, device="cpu", parallelize=shard)
     result = {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    held = contextlib.nullcontext()  # save / load: where the checkpoint finds the optimizer's states
+    if mode.endswith("_offload"):  # save_offload, load_offload: the states on the "host" between steps
+        mode, states = mode[:-len("_offload")], parallel.OptimizerStateOffload(opt, pin=False)
+        held = states.on_device()
     if mode in ("fsdp", "tp", "fsdp_tp", "single"):
         result["losses"] = train_steps(model, opt, dims)
         result["dp_sum"] = parallel.sum_over_dp({"a": dims.dp_rank + 1.0, "b": 0.5}, dims)
@@ -275,9 +280,12 @@ def main(mode, ckpt_dir, out):
         train_steps(model, opt, dims, steps=1)
         export = lambda tmp: checkpoint.export_hf(model, tmp, dims, torch.float32)  # noqa: E731
         state = {"step": 1, "scheduler": {}, "sampler": {}}
-        checkpoint.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, state, dims, export)
+        with held:
+            checkpoint.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, state, dims, export)
     elif mode == "load":  # resume that checkpoint, one more step (uses the restored Adam moments)
-        result["state"] = checkpoint.load_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, dims)
+        with held:
+            result["state"] = checkpoint.load_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt,
+                                                         dims)
         train_steps(model, opt, dims, steps=1)
     result["params"] = full_params(model)
     if dims.is_main:

@@ -72,11 +72,12 @@ def test_update_policy_is_exact_across_ranks(model_dir, tmp_path, mode, nproc):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.parametrize("save_at,load_at", [(2, 1), (1, 2)])
-def test_checkpoint_resumes_at_another_world_size(model_dir, tmp_path, save_at, load_at):
-    torchrun_dist_check(save_at, "save", model_dir, tmp_path / "saved.pt")
+@pytest.mark.parametrize("save_at,load_at,offload", [(2, 1, ""), (1, 2, ""), (2, 2, "_offload")])
+def test_checkpoint_resumes_at_another_world_size(model_dir, tmp_path, save_at, load_at, offload):
+    """_offload: FSDP-sharded AdamW states kept off the device between steps (optimizer_offload) on both sides."""
+    torchrun_dist_check(save_at, "save" + offload, model_dir, tmp_path / "saved.pt")
     assert (tmp_path / "ckpt" / "COMPLETE").exists() and (tmp_path / "ckpt" / "config.json").exists()
-    torchrun_dist_check(load_at, "load", model_dir, tmp_path / "loaded.pt")
+    torchrun_dist_check(load_at, "load" + offload, model_dir, tmp_path / "loaded.pt")
     ref, _, _ = single_process(model_dir, steps=2)  # two uninterrupted steps
     got = torch.load(tmp_path / "loaded.pt")
     assert got["state"]["step"] == 1
