@@ -689,9 +689,6 @@ class OptimizerStateOffload:
                     out.append(((i, name), value))
         return out
 
-    def host_bytes(self) -> int:
-        return sum(c.numel() for c in self.chunks)
-
     def pop_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
