@@ -636,8 +636,11 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
             if local.device.type != mesh.device_type:  # param_offload keeps the shard on the host
                 index = torch.get_device_module(mesh.device_type).current_device()
                 local = local.to(torch.device(mesh.device_type, index))
-            t = DTensor.from_local(local.to(dtype), mesh, p.placements, run_check=False, shape=p.shape,
-                                   stride=p.stride()).full_tensor()
+            if mesh.size() == 1:  # the shard is the whole tensor: skip DTensor's dispatch (~0.1 ms a parameter)
+                t = local.to(dtype)
+            else:
+                t = DTensor.from_local(local.to(dtype), mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride()).full_tensor()
         else:
             t = p.detach().to(dtype)
         if rename is not None:
