@@ -400,13 +400,11 @@ def device_memory_bytes() -> int:
     return torch.get_device_module().mem_get_info()[1]
 
 
-def free_device_memory(release_cache: bool = True) -> int:
-    """Bytes free on the current accelerator as the driver sees them (vLLM's memory pool is invisible to
-    torch's allocator statistics); release_cache: after torch's allocator returns its cached blocks, which
-    whoever allocates next must then ask the driver for again."""
+def free_device_memory() -> int:
+    """Bytes free on the current accelerator as the driver sees them, after torch's allocator returns its
+    cached blocks (vLLM's memory pool is invisible to torch's allocator statistics)."""
     module = torch.get_device_module()
-    if release_cache:
-        module.empty_cache()
+    module.empty_cache()
     return module.mem_get_info()[0]
 
 
@@ -483,23 +481,14 @@ class VLLMEngine:
         tags = [t for t in tags if t not in self.awake]
         if not tags:
             return
-        if not self.awake:  # the first tag of a cycle: is there room for all of them?
-            self.check_room_to_wake()
-        self.llm.wake_up(tags=tags)
-        self.awake.update(tags)
-
-    def check_room_to_wake(self):
-        """Raise unless the GPU has room for the weights and KV cache. torch's allocator keeps the trainer's
-        cached blocks where vLLM fits beside them (so the next update need not allocate them again), and
-        returns them to the driver only where it does not."""
-        free = free_device_memory(release_cache=False)
-        if free < self.awake_bytes + VLLM_RESERVE_BYTES:
-            free = free_device_memory()
-        if free < 0.95 * self.awake_bytes:
+        free = free_device_memory()
+        if not self.awake and free < 0.95 * self.awake_bytes:  # checked before the first tag of a cycle wakes
             raise RuntimeError(f"vLLM needs ~{self.awake_bytes / 2**30:.1f} GiB back (weights + KV cache) to "
                                f"wake up but only {free / 2**30:.1f} GiB are free next to training: lower "
                                "gpu_memory_utilization or max_num_seqs (its KV pool), or turn on "
                                "optimizer_offload (or param_offload)")
+        self.llm.wake_up(tags=tags)
+        self.awake.update(tags)
 
     def load_weights(self, buckets, version: int) -> int:
         """Stream buckets of (name, full tensor) into vLLM in HF's names (hf_tensors: views, no copy), one

@@ -211,13 +211,12 @@ def install_globally(free_bytes=8 * 2**30):
     """For a whole process (tests/fake_vllm_launch.py): `import vllm` gives the stand-ins."""
     module = vllm_module()
     sys.modules["vllm"], sys.modules["vllm.sampling_params"] = module, module.sampling_params
-    R.free_device_memory = lambda release_cache=True: free_bytes
+    R.free_device_memory = lambda: free_bytes
     R.device_memory_bytes = lambda: GPU_BYTES
 
 
-def install(monkeypatch, free_bytes=lambda release_cache=True: 8 * 2**30):
-    """Make `import vllm` return this module's stand-ins for the rest of the test; free_bytes stands in for
-    rollout.free_device_memory."""
+def install(monkeypatch, free_bytes=lambda: 8 * 2**30):
+    """Make `import vllm` return this module's stand-ins for the rest of the test."""
     module = vllm_module()
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", module.sampling_params)
