@@ -117,7 +117,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     gib["vllm_asleep"] = 1.0 if vllm and cfg.free_cache_engine else 0.0
     gib["vllm_awake"], vllm_kv_gib, vllm_note = 0.0, 0.0, None
     if vllm:
-        gib["vllm_awake"], vllm_kv_gib, vllm_note = _vllm_awake(cfg, m, gpu_gib, w, seq)
+        gib["vllm_awake"], vllm_kv_gib, vllm_note = _vllm_awake(cfg, m, gpu_gib, w, seq, kv_token)
     largest = max(m.vocab_size * h, 2 * m.moe_intermediate_size * h * E)  # gathered whole by the push
     gib["sync_bucket"] = (min(cfg.weight_sync_bucket_mb * 2**20, w * P) + w * largest) / GiB if vllm else 0.0
     generator_gib = gib["engine_weights"] + gib["kv_cache"] + runtime_gib
@@ -159,11 +159,11 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "gradient_checkpointing": cfg.gradient_checkpointing}
 
 
-def _vllm_awake(cfg, m, gpu_gib: float, w: int, seq: int) -> tuple[float, float, str]:
+def _vllm_awake(cfg, m, gpu_gib: float, w: int, seq: int, kv_token: int) -> tuple[float, float, str]:
     """What a colocated vLLM engine takes on each of its GPUs while awake, in GiB: its weights' share, its KV
     pool (rollout.vllm_kv_cache_bytes, or the user's kv_cache_memory_bytes) and ~1 GiB of activations; or
     gpu_memory_utilization x GPU where vLLM sizes the pool itself. -> (awake GiB, the engine's KV room over
-    its gen_tp GPUs in GiB (<= 0: the weights leave none), the plan's note)."""
+    its gen_tp GPUs in GiB (<= 0: the weights leave none), the plan's note). kv_token: KV bytes a token."""
     P = m.num_params()
     kv_pool = rollout.vllm_kv_cache_bytes(
         m, max_model_len=seq, max_num_seqs=cfg.max_num_seqs, gen_tp=cfg.gen_tp,
@@ -177,7 +177,6 @@ def _vllm_awake(cfg, m, gpu_gib: float, w: int, seq: int) -> tuple[float, float,
         return awake, kv_pool * cfg.gen_tp / GiB, note
     # vLLM fills its share of the GPU: KV room = that less the bf16 weights and ~1 GiB of activations a GPU
     kv_gib = cfg.gpu_memory_utilization * gpu_gib * cfg.gen_tp - 2 * P / GiB - cfg.gen_tp
-    kv_token = m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim * w  # k and v of every layer
     seqs = kv_gib * GiB / (kv_token * seq)
     short = "" if seqs >= cfg.n else f": fewer than n={cfg.n}, raise gpu_memory_utilization or gen_tp"
     note = (f"vLLM engine of TP {cfg.gen_tp}: {cfg.gpu_memory_utilization:g} x {gpu_gib:g} GiB x "
