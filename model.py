@@ -372,7 +372,7 @@ def split_for_sp(input_ids, position_ids, target_ids, routed_experts, batch: Att
     pad = -T % sp
     cu, cu_list = batch.cu_seqlens, batch.cu_seqlens_list
     if pad:
-        input_ids, target_ids = F.pad(input_ids, (0, pad)), F.pad(target_ids, (0, pad))
+        input_ids, target_ids = F.pad(input_ids, (0, pad)), F.pad(target_ids, (0, pad), value=IGNORE_INDEX)
         if routed_experts is not None:  # [1, T, layers, k]
             routed_experts = F.pad(routed_experts, (0, 0, 0, 0, 0, pad))
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
@@ -687,6 +687,7 @@ class Transformer(nn.Module):
                 routed_experts: torch.Tensor | None = None):
         """input_ids [B, T] -> logits [B, T, vocab] (padded path), or with target_ids [B, T] ->
         (log p(target), entropy or None), each [B, T] in fp32, computed in chunks of logprob_chunk tokens.
+        A target of IGNORE_INDEX (a prompt's own tokens) skips the head: its log-prob and entropy are 0.
         Packed path: B = 1, position_ids [1, T] restart at 0 per document, batch.cu_seqlens marks documents.
         logits_at: flat token indices -> logits only there, [len(logits_at), vocab] (generation's last
             tokens).
@@ -704,6 +705,9 @@ class Transformer(nn.Module):
         if sp_group is not None:
             input_ids, position_ids, target_ids, routed_experts, batch = split_for_sp(
                 input_ids, position_ids, target_ids, routed_experts, batch, sp_group)
+        keep = None  # the positions the log-prob head computes; nonzero() waits for the GPU, so before the blocks
+        if target_ids is not None:
+            keep = (target_ids.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
         if self.inv_freq.device != input_ids.device:  # moved once (not inside a CUDA-graph capture)
             self.inv_freq = self.inv_freq.to(input_ids.device)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
@@ -746,7 +750,7 @@ class Transformer(nn.Module):
         keep_logits = not self.gradient_checkpointing and self.logprob_chunk_fn is not None
         logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.output_weight, target_ids.flatten(),
                                                temperature, logprob_chunk, with_entropy,
-                                               self.logprob_chunk_fn, recompute=not keep_logits)
+                                               self.logprob_chunk_fn, recompute=not keep_logits, keep=keep)
         if sp_group is not None:  # every rank gets the whole row (padding dropped), hence the same loss
             logp = _GatherTokens.apply(logp, sp_group)[:T]
             if ent is not None:
@@ -758,6 +762,9 @@ class Transformer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # token log-probs and entropy, without [tokens, vocab] in fp32 for the whole batch
+
+IGNORE_INDEX = -100  # a target the head skips (as in torch's cross_entropy)
+
 
 def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy: bool | str):
     logits = (h @ weight.t()).float() / temperature
@@ -773,13 +780,27 @@ def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy:
 
 
 def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
-                               with_entropy: bool | str = False, chunk_fn=None, recompute: bool = True):
+                               with_entropy: bool | str = False, chunk_fn=None, recompute: bool = True,
+                               keep: torch.Tensor | None = None):
     """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32, of
     logits / temperature (what the rollout engines sample from). Under autograd each chunk is recomputed in
     backward (recompute=True), so only one chunk of fp32 logits exists at any time; recompute=False keeps
     what backward needs of every chunk (compiled: the bf16 logits, 2 bytes a token and vocabulary entry).
     with_entropy="detached": the entropy without a gradient. chunk_fn: _chunk_logprob_entropy or a compiled
-    copy of it."""
+    copy of it. keep: the positions to compute (None: all); the others get 0."""
+    if keep is not None and keep.numel() < hidden.shape[0]:
+        # no position kept: one runs anyway, times 0, so that backward still reaches every parameter (and
+        # sequence parallelism's collectives) on this rank
+        none = keep.numel() == 0
+        idx = keep.new_zeros(1) if none else keep
+        logp, ent = token_logprobs_and_entropy(hidden[idx], weight, target_ids[idx].clamp(min=0), temperature,
+                                               chunk, with_entropy, chunk_fn, recompute)
+        if none:
+            logp, ent = logp * 0, (ent * 0 if ent is not None else None)
+
+        def spread(v):  # [len(idx)] -> [N], 0 where not computed
+            return v.new_zeros(hidden.shape[0]).index_copy(0, idx, v)
+        return spread(logp), (spread(ent) if ent is not None else None)
     fn = chunk_fn or _chunk_logprob_entropy
     if recompute and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fn = functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)

@@ -107,9 +107,12 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     acts = local * h * w * n_ckpt + max(sum(per_token[n_ckpt:]), max(per_token[:n_ckpt], default=0)) * scale
     gib["activations"] = acts / GiB
     gib["a2a_buffers"] = 2 * local * k * h * w / GiB if ep > 1 else 0.0
-    gib["logprob_buffer"] = min(cfg.logprob_chunk, local) * m.vocab_size * 4 * 3 / GiB
-    if n_ckpt == 0 and cfg.compile is not False:  # the compiled head then keeps every token's bf16 logits
-        gib["logprob_buffer"] += local * m.vocab_size * 2 / GiB
+    # the head computes response tokens only: at most max_response_length a sequence (a token budget may be
+    # all response)
+    head = local if cfg.use_dynamic_bsz else min(local, cfg.ppo_micro_batch_size_per_gpu * cfg.max_response_length)
+    gib["logprob_buffer"] = min(cfg.logprob_chunk, head) * m.vocab_size * 4 * 3 / GiB
+    if n_ckpt == 0 and cfg.compile is not False:  # the compiled head then keeps its tokens' bf16 logits
+        gib["logprob_buffer"] += head * m.vocab_size * 2 / GiB
     rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
     kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
     gib["kv_cache"] = rows * rollout.cache_positions(seq) * kv_token / GiB

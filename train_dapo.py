@@ -44,7 +44,7 @@ from checkpoint import CheckpointError, fault_point
 from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
 from data import Tokenizer
 from hf import from_pretrained, load_config
-from model import load_balancing_loss, pack_sequences
+from model import IGNORE_INDEX, load_balancing_loss, pack_sequences
 from reliability import StopFlag, StopRequested, report_failure
 from async_rollout import Bridge, RolloutQueue, gen_batches_ahead, serve_rollouts
 from rollout import (GenerationStopped, SamplingParams, TorchEngine, Trajectories, VLLMEngine,
@@ -546,7 +546,16 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
     seqs = [traj.prompt_ids[i] + traj.response_ids[i] for i in idx]
     device = device or model.output_weight.device  # the accelerator: offloaded weights live on the host
     ids, pos, batch = pack_sequences([s[:-1] for s in seqs], device)
-    targets = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
+    # the head computes only the response's log-probs: a prompt's own targets are skipped
+    targets = torch.tensor([t for i in idx for t in [IGNORE_INDEX] * (len(traj.prompt_ids[i]) - 1)
+                            + traj.response_ids[i]], device=device)[None]
+    # response token j of sequence i is target (len(prompt) - 1 + j) of its packed document; built before the
+    # forward so that no copy to the device waits for it
+    R = traj.response_mask.shape[1]
+    starts = (batch.cu_seqlens[:-1].long()
+              + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device))
+    gather = (starts[:, None] + torch.arange(R, device=device)[None]).clamp(max=ids.shape[1] - 1)
+    mask = traj.response_mask[idx].to(device)
     routed = None
     # row t of a trajectory: the experts the engine sent its input token t to
     if traj.routed_experts is not None:
@@ -561,12 +570,6 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
     logp, ent = model(ids, pos, batch, target_ids=targets, temperature=cfg.temperature,
                       with_entropy=with_entropy, logprob_chunk=cfg.logprob_chunk, router_loads=router_loads,
                       routed_experts=routed)
-    # response token j of sequence i is target (len(prompt) - 1 + j) of its packed document
-    R = traj.response_mask.shape[1]
-    starts = (batch.cu_seqlens[:-1].long()
-              + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device))
-    gather = (starts[:, None] + torch.arange(R, device=device)[None]).clamp(max=ids.shape[1] - 1)
-    mask = traj.response_mask[idx].to(device)
     return logp[0][gather] * mask, (ent[0][gather] * mask if ent is not None else None)
 
 
@@ -623,23 +626,24 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
             mbs = micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims)
             for i, mb in enumerate(mbs):
                 parallel.accumulate_grads(model, dims, last=i == len(mbs) - 1)
-                mask = traj.response_mask[mb].to(device)
+                # copied before the forward: a copy from pageable memory waits for the GPU to finish
+                mask, adv = traj.response_mask[mb].to(device), traj.adv[mb].to(device)
+                rollout_logp = traj.rollout_logp[mb].to(device)
+                old_logp = None if traj.old_logp is None else traj.old_logp[mb].to(device)
+                ref_logp = traj.ref_logp[mb].to(device) if cfg.use_kl_loss else None
                 mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
                 router_loads = [] if router_aux else None
                 logp, ent = sequence_logprobs(model, traj, mb, cfg,
                                               with_entropy=bool(cfg.entropy_coeff) or "detached",
                                               router_loads=router_loads, device=device)
                 logp, ent = logp.float(), ent.float()
-                rollout_logp = traj.rollout_logp[mb].to(device)
-                if traj.old_logp is None:
+                if old_logp is None:
                     old_logp = logp.detach()
-                else:
-                    old_logp = traj.old_logp[mb].to(device)
                 tis = truncated_is_weight(old_logp, rollout_logp, tis_cap(cfg)) if tis_cap(cfg) > 0 else None
                 agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length,
                            count=count)
                 pg_loss, m = policy_loss(
-                    logp=logp, old_logp=old_logp, adv=traj.adv[mb].to(device), response_mask=mask,
+                    logp=logp, old_logp=old_logp, adv=adv, response_mask=mask,
                     clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                     clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
                     max_response_length=cfg.max_response_length, count=count, token_weight=tis)
@@ -648,7 +652,7 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
                 terms = {"pg_loss": pg_loss.detach(), "entropy": entropy.detach()}
                 if cfg.use_kl_loss:
-                    kl = agg_loss(token_kl(logp, traj.ref_logp[mb].to(device), cfg.kl_loss_type), **agg)
+                    kl = agg_loss(token_kl(logp, ref_logp, cfg.kl_loss_type), **agg)
                     loss = loss + cfg.kl_loss_coef * kl
                     terms["kl_loss"] = kl.detach()
                 if router_aux:

@@ -131,25 +131,27 @@ RES["workload"] = {"sequences": len(seq_lens), "tokens": NTOK, "response_tokens"
                    "response_len_max": R, "clipped_at_max": sum(r == args.max_response for r in resp_lens)}
 print(f"workload: {RES['workload']}")
 
-# model FLOPs, one formula for every row, on real tokens: 6 * (N_blocks + V*H) * tokens for the non-embedding
-# parameters and the output head (a matmul even when tied), plus causal attention, 6 * L * heads * head_dim *
-# sum(n_i^2); MFU_nonemb leaves the head out; HFU adds what checkpointing recomputes (blocks, head, attention)
+# model FLOPs, one formula for every row, on real tokens: 6 * N_blocks * tokens for the non-embedding parameters,
+# 6 * V*H * response tokens for the output head (a matmul even when tied; an update needs no log-prob of a prompt
+# token, so a row that computes them does work this does not count), plus causal attention, 6 * L * heads *
+# head_dim * sum(n_i^2); MFU_nonemb leaves the head out; HFU adds what checkpointing recomputes (blocks, head,
+# attention)
 H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
 HEAD = V * H
 N_BLOCKS = cfg.num_active_params() - V * H * (1 if cfg.tie_word_embeddings else 2)  # blocks (top-k experts) + norm
 ATTN_FWD = 2 * L * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lens)  # causal, forward
-FLOPS_MODEL = 6 * (N_BLOCKS + HEAD) * NTOK + 3 * ATTN_FWD
+FLOPS_MODEL = 6 * N_BLOCKS * NTOK + 6 * HEAD * RESP_TOK + 3 * ATTN_FWD
 FLOPS_NONEMB = 6 * N_BLOCKS * NTOK + 3 * ATTN_FWD
 
 
 def flops_hw_nano(n_ckpt: int) -> float:
     """Model FLOPs + what the backward recomputes: n_ckpt of the L blocks' forwards and the log-prob head's."""
-    return FLOPS_MODEL + n_ckpt / L * (2 * N_BLOCKS * NTOK + ATTN_FWD) + 2 * HEAD * NTOK
+    return FLOPS_MODEL + n_ckpt / L * (2 * N_BLOCKS * NTOK + ATTN_FWD) + 2 * HEAD * RESP_TOK
 
 
 RES["flops"] = {"N_blocks": N_BLOCKS, "head_VH": HEAD, "model_per_step": FLOPS_MODEL,
                 "nonemb_per_step": FLOPS_NONEMB, "hardware_nanodapo_per_step": flops_hw_nano(L),
-                "formula": "6*(N_blocks + V*H)*tokens + 6*L*heads*head_dim*sum(n_i^2)"}
+                "formula": "6*N_blocks*tokens + 6*V*H*response_tokens + 6*L*heads*head_dim*sum(n_i^2)"}
 
 
 def update_variant(row: str) -> dict:
@@ -195,12 +197,14 @@ def trainer_cfg():
 
 
 def nano_packed():
-    """Per micro-batch, on the device: packed inputs, targets and the response-token mask (as sequence_logprobs)."""
+    """Per micro-batch, on the device: packed inputs, targets (a prompt's own skipped) and the response-token mask
+    (as sequence_logprobs)."""
     out = []
     for mb in MBS:
         seqs = [prompts[i] + responses[i] for i in mb]
         ids, pos, batch = M.pack_sequences([s[:-1] for s in seqs], device)
-        tgt = torch.tensor([t for s in seqs for t in s[1:]], device=device)[None]
+        tgt = torch.tensor([t for i in mb for t in [M.IGNORE_INDEX] * (args.prompt_len - 1) + responses[i]],
+                           device=device)[None]
         m = torch.zeros(ids.shape[1], device=device)
         for j, i in enumerate(mb):  # response token k of doc j is target (prompt_len - 1 + k)
             s = int(batch.cu_seqlens[j]) + args.prompt_len - 1

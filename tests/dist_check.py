@@ -179,11 +179,20 @@ def forward_backward(model, dims):
     loss.backward()
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    # the first 14 targets ignored (as a prompt's): at sp 2 the first rank's 13 tokens compute none of them
+    ignored = tgt.clone()
+    ignored[0, :14] = M.IGNORE_INDEX
+    logp_ignored, ent_ignored = model(ids, pos, b, target_ids=ignored, with_entropy=True, logprob_chunk=8)
+    ((-logp_ignored.sum() - 0.1 * ent_ignored.sum()) / tgt.numel()).backward()
+    grads_ignored = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                     for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     with torch.no_grad():
         logp_no_grad, _ = model(ids, pos, b, target_ids=tgt)
         logits = model(ids, pos, b)
     return {"logp": logp.detach(), "entropy": ent.detach(), "loss": loss.item(), "grads": grads,
-            "logp_no_grad": logp_no_grad, "logits": logits}
+            "logp_no_grad": logp_no_grad, "logits": logits, "logp_ignored": logp_ignored.detach(),
+            "grads_ignored": grads_ignored}
 
 
 def replay_forward_backward(model):

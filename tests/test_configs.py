@@ -123,10 +123,14 @@ def test_memory_plan_offload_moves_states_to_the_host():
 
 
 def test_memory_plan_counts_the_kept_logits_of_a_compiled_head_without_checkpointing():
-    """Compiled and without checkpointing, the head keeps every token's bf16 logits: 2 x 128 tokens x 1000 vocab on
-    top of a chunk's fp32 buffers; checkpointed or eager, each chunk is recomputed."""
+    """Compiled and without checkpointing, the head keeps the bf16 logits of every token it computes, on top of a
+    chunk's fp32 buffers: the responses' (2 sequences x 48 tokens, not the prompts': 2 bytes x 96 x 1000 vocab),
+    or with a token budget all of its 64 tokens (short prompts leave it all response); checkpointed or eager,
+    each chunk is recomputed."""
     chunk = 16 * 1000 * 12
-    for kw, kept in ((dict(compile=True, gradient_checkpointing=False), 2 * 128 * 1000),
+    for kw, kept in ((dict(compile=True, gradient_checkpointing=False), 2 * 96 * 1000),
+                     (dict(compile=True, gradient_checkpointing=False, use_dynamic_bsz=True,
+                           ppo_max_token_len_per_gpu=64), 2 * 64 * 1000),
                      (dict(compile=True, gradient_checkpointing=1), 0),
                      (dict(compile=False, gradient_checkpointing=False), 0)):
         b = plan_bytes(plan.memory_plan(planner_cfg(**kw), planner_model(), 8, 80, runtime_gib=0))

@@ -176,6 +176,68 @@ def test_logprob_chunks_kept_or_recomputed_give_the_same_gradients(with_entropy)
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("with_entropy", [False, "detached", True])
+def test_logprob_head_skips_ignored_targets(with_entropy, recompute):
+    """keep (the positions whose target is not IGNORE_INDEX): the same log-probs, entropy and gradients as the
+    whole computation at those positions, 0 at the others, which add nothing to the gradients."""
+    torch.manual_seed(3)
+    h = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 30, (20,))
+    kept = torch.tensor([2, 3, 4, 9, 10, 11, 12, 19])
+    t_ignored = torch.full_like(t, M.IGNORE_INDEX).index_copy(0, kept, t[kept])
+    outs = []
+    for targets, keep in ((t, None), (t_ignored, (t_ignored != M.IGNORE_INDEX).nonzero().squeeze(1))):
+        logp, ent = M.token_logprobs_and_entropy(h, w, targets, 0.7, 6, with_entropy, recompute=recompute,
+                                                 keep=keep)
+        lp, en = logp[kept], (None if ent is None else ent[kept])  # both read at the kept positions
+        (lp.sum() + (en.sum() if with_entropy is True else 0.0)).backward()
+        outs.append((lp.detach(), None if en is None else en.detach(), h.grad.clone(), w.grad.clone()))
+        if keep is not None:
+            skipped = torch.ones(20, dtype=torch.bool).index_fill(0, kept, False)
+            assert (logp[skipped] == 0).all() and (ent is None or (ent[skipped] == 0).all())
+        h.grad = w.grad = None
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_logprob_head_with_no_target_kept_still_reaches_the_weights():
+    """Every target ignored: log-probs 0, and backward still runs into the weights (zero gradients), so a rank
+    whose share holds no response token joins the others' backward collectives."""
+    h = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.full((5,), M.IGNORE_INDEX)
+    logp, ent = M.token_logprobs_and_entropy(h, w, t, chunk=4, with_entropy=True,
+                                             keep=(t != M.IGNORE_INDEX).nonzero().squeeze(1))
+    assert (logp == 0).all() and (ent == 0).all()
+    (logp.sum() + ent.sum()).backward()
+    assert h.grad is not None and w.grad is not None
+    assert (h.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_forward_skips_ignored_targets():
+    """A forward whose first targets are IGNORE_INDEX (a prompt's own tokens) gives the same log-probs at the
+    others as one that computes every position, and 0 at the ignored ones."""
+    cfg = M.ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=40, hidden_size=32, intermediate_size=48,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    m = M.Transformer(cfg).init_weights(seed=0).double()
+    docs = [[int(x) for x in torch.randint(0, 40, (n,))] for n in (9, 6, 12)]
+    prompt_lens = [4, 1, 7]
+    ids, pos, batch = M.pack_sequences([d[:-1] for d in docs])
+    full = torch.tensor([t for d in docs for t in d[1:]])[None]
+    ignored = torch.tensor([t for d, p in zip(docs, prompt_lens)
+                            for t in [M.IGNORE_INDEX] * (p - 1) + d[p:]])[None]
+    with torch.no_grad():
+        ref, ref_ent = m(ids, pos, batch, target_ids=full, with_entropy=True)
+        logp, ent = m(ids, pos, batch, target_ids=ignored, with_entropy=True)
+    kept = ignored != M.IGNORE_INDEX
+    assert int(kept.sum()) == sum(len(d) - p for d, p in zip(docs, prompt_lens))
+    assert torch.allclose(logp[kept], ref[kept], rtol=0, atol=1e-12)
+    assert torch.allclose(ent[kept], ref_ent[kept], rtol=0, atol=1e-12)
+    assert (logp[~kept] == 0).all() and (ent[~kept] == 0).all()
+
+
 def test_forward_with_targets_equals_logits_path():
     cfg = M.ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=40, hidden_size=32, intermediate_size=48,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -50,8 +50,11 @@ def test_sequence_parallel_matches_single_process(model_dirs, tmp_path, mode, np
     got = torch.load(tmp_path / "out.pt")
     T = sum(len(d) - 1 for d in dist_check.batch())
     assert T % 2 == 1 and got["logp"].shape == (1, T)  # 25 tokens: padded to 26 inside, dropped again
-    for key in ("logp", "entropy", "logp_no_grad", "logits"):
+    for key in ("logp", "entropy", "logp_no_grad", "logits", "logp_ignored"):
         assert (got[key] - ref[key]).abs().max().item() < 1e-5, key
+    assert (got["logp_ignored"][0, :14] == 0).all()  # ignored targets: not computed
+    assert (got["logp_ignored"][0, 14:] - got["logp"][0, 14:]).abs().max().item() < 1e-5
+    assert max_diff(ref["grads_ignored"], got["grads_ignored"]) < 1e-6
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
     # FSDP sums gradients over the fsdp_size ranks: the SP ranks' partial gradients (each from its own tokens)
     # must add up to the single process's
