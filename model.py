@@ -36,6 +36,7 @@ try:
 except (AttributeError, RuntimeError):
     _FLASH_SEQUSED_K = False
 
+IGNORE_INDEX = -100  # a target the log-prob head skips (as in torch's cross_entropy): a prompt's own tokens
 MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                "LlamaForCausalLM": "llama"}  # the supported architectures -> config.json's model_type
 
@@ -705,7 +706,7 @@ class Transformer(nn.Module):
         if sp_group is not None:
             input_ids, position_ids, target_ids, routed_experts, batch = split_for_sp(
                 input_ids, position_ids, target_ids, routed_experts, batch, sp_group)
-        keep = None  # the positions the log-prob head computes; nonzero() waits for the GPU, so before the blocks
+        keep = None  # the positions the head computes; nonzero() waits for the GPU: found before the blocks
         if target_ids is not None:
             keep = (target_ids.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
         if self.inv_freq.device != input_ids.device:  # moved once (not inside a CUDA-graph capture)
@@ -762,9 +763,6 @@ class Transformer(nn.Module):
 
 # -----------------------------------------------------------------------------
 # token log-probs and entropy, without [tokens, vocab] in fp32 for the whole batch
-
-IGNORE_INDEX = -100  # a target the head skips (as in torch's cross_entropy)
-
 
 def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy: bool | str):
     logits = (h @ weight.t()).float() / temperature

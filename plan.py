@@ -107,12 +107,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     acts = local * h * w * n_ckpt + max(sum(per_token[n_ckpt:]), max(per_token[:n_ckpt], default=0)) * scale
     gib["activations"] = acts / GiB
     gib["a2a_buffers"] = 2 * local * k * h * w / GiB if ep > 1 else 0.0
-    # the head computes response tokens only: at most max_response_length a sequence (a token budget may be
-    # all response)
-    head = local if cfg.use_dynamic_bsz else min(local, cfg.ppo_micro_batch_size_per_gpu * cfg.max_response_length)
-    gib["logprob_buffer"] = min(cfg.logprob_chunk, head) * m.vocab_size * 4 * 3 / GiB
-    if n_ckpt == 0 and cfg.compile is not False:  # the compiled head then keeps its tokens' bf16 logits
-        gib["logprob_buffer"] += head * m.vocab_size * 2 / GiB
+    gib["logprob_buffer"] = _logprob_buffer_bytes(cfg, m, local, n_ckpt) / GiB
     rows = max(cfg.max_num_seqs, cfg.n)  # built-in engine
     kv_token = L * 2 * m.num_key_value_heads * hd * w  # bytes per token: k and v of every layer
     gib["kv_cache"] = rows * rollout.cache_positions(seq) * kv_token / GiB
@@ -160,6 +155,19 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+def _logprob_buffer_bytes(cfg, m, local: int, n_ckpt: int) -> int:
+    """The log-prob head on one GPU's local tokens of a micro-batch: one chunk's fp32 logits, softmax and their
+    gradient, plus, compiled without checkpointing, the bf16 logits it keeps of every token it computes. It
+    computes response tokens only: at most max_response_length a sequence (a token budget's may all be)."""
+    head = local
+    if not cfg.use_dynamic_bsz:
+        head = min(local, cfg.ppo_micro_batch_size_per_gpu * cfg.max_response_length)
+    nbytes = min(cfg.logprob_chunk, head) * m.vocab_size * 4 * 3
+    if n_ckpt == 0 and cfg.compile is not False:
+        nbytes += head * m.vocab_size * 2
+    return nbytes
 
 
 def _vllm_awake(cfg, m, gpu_gib: float, w: int, seq: int, kv_token: int) -> tuple[float, float, str]:
