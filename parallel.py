@@ -532,11 +532,13 @@ def apply_compile(model, dynamic: bool | None = None):
     """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod
     prefix) and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one
     graph and compile time is that of one block. dynamic=True: shapes symbolic from the first call (the
-    built-in engine's decode)."""
+    trainer's token counts, the built-in engine's decode)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in model.model.layers:
         block.compile(dynamic=dynamic)
-    model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy)
+    # the head too: while every response has one length its chunks can all be one size, and the first batch of
+    # other lengths would compile it again in the middle of an update
+    model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy, dynamic=dynamic)
 
 
 def compile_enabled(setting: bool | str, device_type: str) -> bool:

@@ -245,6 +245,36 @@ def test_trainer_and_engine_graphs_fit_the_recompile_limit():
     assert 0 < max(entries.values()) <= parallel.RECOMPILE_LIMIT // 2, entries
 
 
+@pytest.mark.slow  # torch.compile (Inductor)
+def test_a_new_token_count_does_not_compile_the_log_prob_head_again():
+    """While every response has the same length, logprob_chunk can divide the head's tokens, so its chunk
+    function sees one size; the first batch of other lengths must not compile it again (a recompile in the
+    middle of a run's update). Chunks of 4: 8 response tokens (4 + 4), then 7 (4 + 3), with and without
+    a gradient."""
+    if (why := compile_unavailable()) is not None:
+        pytest.skip(why)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()  # other tests' graphs out of the caches counted
+    m = tiny_model(3, vocab=16, layers=2).train()
+    parallel.apply_compile(m, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    new_graphs = []
+    for response_len in (4, 3):  # two documents: 2 x 4 response tokens, then 4 + 3
+        docs = [torch.randint(0, 16, (5 + 4,), generator=g).tolist(),
+                torch.randint(0, 16, (6 + response_len,), generator=g).tolist()]
+        ids, pos, batch = M.pack_sequences([d[:-1] for d in docs])
+        prompts = (5, 6)
+        target = torch.tensor([t for d, p in zip(docs, prompts) for t in [M.IGNORE_INDEX] * (p - 1) + d[p:]])[None]
+        before = counters["stats"]["unique_graphs"]
+        logp, _ = m(ids, pos, batch, target_ids=target, with_entropy="detached", logprob_chunk=4)
+        logp.sum().backward()
+        with torch.no_grad():
+            m(ids, pos, batch, target_ids=target, logprob_chunk=4)
+        new_graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert new_graphs[0] > 0 and new_graphs[1] == 0, new_graphs
+    assert len(_debug_get_cache_entry_list(M._chunk_logprob_entropy.__code__)) == 2  # with and without a graph
+
+
 @pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])  # q/k/v biases; q/k norms
 def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfused_one(architecture):
     """An engine that owns its copy fuses q, k and v into one weight whose slices are the parameters: the
