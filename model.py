@@ -706,9 +706,9 @@ class Transformer(nn.Module):
         if sp_group is not None:
             input_ids, position_ids, target_ids, routed_experts, batch = split_for_sp(
                 input_ids, position_ids, target_ids, routed_experts, batch, sp_group)
-        keep = None  # the positions the head computes; nonzero() waits for the GPU: found before the blocks
+        head_at = None  # positions the head computes; nonzero() waits for the GPU, so before the blocks
         if target_ids is not None:
-            keep = (target_ids.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+            head_at = (target_ids.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
         if self.inv_freq.device != input_ids.device:  # moved once (not inside a CUDA-graph capture)
             self.inv_freq = self.inv_freq.to(input_ids.device)
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
@@ -751,7 +751,7 @@ class Transformer(nn.Module):
         keep_logits = not self.gradient_checkpointing and self.logprob_chunk_fn is not None
         logp, ent = token_logprobs_and_entropy(h.flatten(0, 1), self.output_weight, target_ids.flatten(),
                                                temperature, logprob_chunk, with_entropy,
-                                               self.logprob_chunk_fn, recompute=not keep_logits, keep=keep)
+                                               self.logprob_chunk_fn, recompute=not keep_logits, at=head_at)
         if sp_group is not None:  # every rank gets the whole row (padding dropped), hence the same loss
             logp = _GatherTokens.apply(logp, sp_group)[:T]
             if ent is not None:
@@ -779,18 +779,18 @@ def _chunk_logprob_entropy(h, weight, targets, temperature: float, with_entropy:
 
 def token_logprobs_and_entropy(hidden, weight, target_ids, temperature: float = 1.0, chunk: int = 1024,
                                with_entropy: bool | str = False, chunk_fn=None, recompute: bool = True,
-                               keep: torch.Tensor | None = None):
+                               at: torch.Tensor | None = None):
     """hidden [N, H], lm_head weight [V, H], target_ids [N] -> (logp [N], entropy [N] or None), fp32, of
     logits / temperature (what the rollout engines sample from). Under autograd each chunk is recomputed in
     backward (recompute=True), so only one chunk of fp32 logits exists at any time; recompute=False keeps
     what backward needs of every chunk (compiled: the bf16 logits, 2 bytes a token and vocabulary entry).
     with_entropy="detached": the entropy without a gradient. chunk_fn: _chunk_logprob_entropy or a compiled
-    copy of it. keep: the positions to compute (None: all); the others get 0."""
-    if keep is not None and keep.numel() < hidden.shape[0]:
+    copy of it. at: the positions to compute (None: all); the others get 0."""
+    if at is not None and at.numel() < hidden.shape[0]:
         # no position kept: one runs anyway, times 0, so that backward still reaches every parameter (and
         # sequence parallelism's collectives) on this rank
-        none = keep.numel() == 0
-        idx = keep.new_zeros(1) if none else keep
+        none = at.numel() == 0
+        idx = at.new_zeros(1) if none else at
         logp, ent = token_logprobs_and_entropy(hidden[idx], weight, target_ids[idx].clamp(min=0), temperature,
                                                chunk, with_entropy, chunk_fn, recompute)
         if none:

@@ -546,14 +546,13 @@ def sequence_logprobs(model, traj: Trajectories, idx: list[int], cfg: Config, wi
     seqs = [traj.prompt_ids[i] + traj.response_ids[i] for i in idx]
     device = device or model.output_weight.device  # the accelerator: offloaded weights live on the host
     ids, pos, batch = pack_sequences([s[:-1] for s in seqs], device)
-    # the head computes only the response's log-probs: a prompt's own targets are skipped
-    targets = torch.tensor([t for i in idx for t in [IGNORE_INDEX] * (len(traj.prompt_ids[i]) - 1)
-                            + traj.response_ids[i]], device=device)[None]
-    # response token j of sequence i is target (len(prompt) - 1 + j) of its packed document; built before the
-    # forward so that no copy to the device waits for it
+    # response token j of sequence i is target (len(prompt) - 1 + j) of its packed document; the head skips
+    # the targets before it (a prompt's own). Built before the forward: no copy to the device waits for it
+    first = [len(traj.prompt_ids[i]) - 1 for i in idx]
+    targets = torch.tensor([t for i, f in zip(idx, first) for t in [IGNORE_INDEX] * f + traj.response_ids[i]],
+                           device=device)[None]
     R = traj.response_mask.shape[1]
-    starts = (batch.cu_seqlens[:-1].long()
-              + torch.tensor([len(traj.prompt_ids[i]) - 1 for i in idx], device=device))
+    starts = batch.cu_seqlens[:-1].long() + torch.tensor(first, device=device)
     gather = (starts[:, None] + torch.arange(R, device=device)[None]).clamp(max=ids.shape[1] - 1)
     mask = traj.response_mask[idx].to(device)
     routed = None

@@ -190,7 +190,7 @@ def test_logprob_head_skips_ignored_targets(with_entropy, recompute):
     outs = []
     for targets, keep in ((t, None), (t_ignored, (t_ignored != M.IGNORE_INDEX).nonzero().squeeze(1))):
         logp, ent = M.token_logprobs_and_entropy(h, w, targets, 0.7, 6, with_entropy, recompute=recompute,
-                                                 keep=keep)
+                                                 at=keep)
         lp, en = logp[kept], (None if ent is None else ent[kept])  # both read at the kept positions
         (lp.sum() + (en.sum() if with_entropy is True else 0.0)).backward()
         outs.append((lp.detach(), None if en is None else en.detach(), h.grad.clone(), w.grad.clone()))
@@ -209,7 +209,7 @@ def test_logprob_head_with_no_target_kept_still_reaches_the_weights():
     w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
     t = torch.full((5,), M.IGNORE_INDEX)
     logp, ent = M.token_logprobs_and_entropy(h, w, t, chunk=4, with_entropy=True,
-                                             keep=(t != M.IGNORE_INDEX).nonzero().squeeze(1))
+                                             at=(t != M.IGNORE_INDEX).nonzero().squeeze(1))
     assert (logp == 0).all() and (ent == 0).all()
     (logp.sum() + ent.sum()).backward()
     assert h.grad is not None and w.grad is not None
