@@ -531,14 +531,26 @@ RECOMPILE_LIMIT = 16
 def apply_compile(model, dynamic: bool | None = None):
     """torch.compile each decoder block in place (nn.Module.compile keeps the parameter names, no _orig_mod
     prefix) and the log-prob head's chunk function. Blocks, as torchtitan: they are alike, so all share one
-    graph and compile time is that of one block. dynamic=True: shapes symbolic from the first call (the
-    trainer's token counts, the built-in engine's decode)."""
+    graph and compile time is that of one block. dynamic=True: the blocks' shapes symbolic from the first call
+    (the trainer's token counts, the built-in engine's decode); the head's rows are symbolic either way."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in model.model.layers:
         block.compile(dynamic=dynamic)
-    # the head too: while every response has one length its chunks can all be one size, and the first batch of
-    # other lengths would compile it again in the middle of an update
-    model.logprob_chunk_fn = torch.compile(M._chunk_logprob_entropy, dynamic=dynamic)
+    model.logprob_chunk_fn = _compiled_logprob_head()
+
+
+def _compiled_logprob_head():
+    """The log-prob head's chunk function compiled with its row count symbolic from the first call: while
+    every response has one length the chunks can all be one size, and the first batch of other lengths would
+    compile it again in the middle of an update. Only the rows: dynamic=True made the temperature a graph
+    input too, and with that graph the first update on an H200 took about 40 s longer, cache or not."""
+    compiled = torch.compile(M._chunk_logprob_entropy)
+
+    def chunk_fn(h, weight, targets, temperature, with_entropy):
+        torch._dynamo.maybe_mark_dynamic(h, 0)
+        torch._dynamo.maybe_mark_dynamic(targets, 0)
+        return compiled(h, weight, targets, temperature, with_entropy)
+    return chunk_fn
 
 
 def compile_enabled(setting: bool | str, device_type: str) -> bool:
@@ -638,7 +650,7 @@ def iter_full_weights(model, bucket_bytes: int = 512 * 2**20, dtype=torch.bfloat
             if local.device.type != mesh.device_type:  # param_offload keeps the shard on the host
                 index = torch.get_device_module(mesh.device_type).current_device()
                 local = local.to(torch.device(mesh.device_type, index))
-            if mesh.size() == 1:  # the shard is the whole tensor: skip DTensor's dispatch (~0.1 ms a parameter)
+            if mesh.size() == 1:  # the shard is the whole tensor: skip DTensor's dispatch (~0.1 ms each)
                 t = local.to(dtype)
             else:
                 t = DTensor.from_local(local.to(dtype), mesh, p.placements, run_check=False, shape=p.shape,

@@ -158,9 +158,10 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
 
 
 def _logprob_buffer_bytes(cfg, m, local: int, n_ckpt: int) -> int:
-    """The log-prob head on one GPU's local tokens of a micro-batch: one chunk's fp32 logits, softmax and their
-    gradient, plus, compiled without checkpointing, the bf16 logits it keeps of every token it computes. It
-    computes response tokens only: at most max_response_length a sequence (a token budget's may all be)."""
+    """The log-prob head on one GPU's local tokens of a micro-batch: one chunk's fp32 logits, softmax and
+    their gradient, plus, compiled without checkpointing, the bf16 logits it keeps of every token it
+    computes. It computes response tokens only: at most max_response_length a sequence (a token budget's may
+    all be)."""
     head = local
     if not cfg.use_dynamic_bsz:
         head = min(local, cfg.ppo_micro_batch_size_per_gpu * cfg.max_response_length)
