@@ -179,7 +179,7 @@ def test_logprob_chunks_kept_or_recomputed_give_the_same_gradients(with_entropy)
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("with_entropy", [False, "detached", True])
 def test_logprob_head_skips_ignored_targets(with_entropy, recompute):
-    """keep (the positions whose target is not IGNORE_INDEX): the same log-probs, entropy and gradients as the
+    """at (the positions whose target is not IGNORE_INDEX): the same log-probs, entropy and gradients as the
     whole computation at those positions, 0 at the others, which add nothing to the gradients."""
     torch.manual_seed(3)
     h = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
@@ -188,13 +188,13 @@ def test_logprob_head_skips_ignored_targets(with_entropy, recompute):
     kept = torch.tensor([2, 3, 4, 9, 10, 11, 12, 19])
     t_ignored = torch.full_like(t, M.IGNORE_INDEX).index_copy(0, kept, t[kept])
     outs = []
-    for targets, keep in ((t, None), (t_ignored, (t_ignored != M.IGNORE_INDEX).nonzero().squeeze(1))):
+    for targets, at in ((t, None), (t_ignored, (t_ignored != M.IGNORE_INDEX).nonzero().squeeze(1))):
         logp, ent = M.token_logprobs_and_entropy(h, w, targets, 0.7, 6, with_entropy, recompute=recompute,
-                                                 at=keep)
+                                                 at=at)
         lp, en = logp[kept], (None if ent is None else ent[kept])  # both read at the kept positions
         (lp.sum() + (en.sum() if with_entropy is True else 0.0)).backward()
         outs.append((lp.detach(), None if en is None else en.detach(), h.grad.clone(), w.grad.clone()))
-        if keep is not None:
+        if at is not None:
             skipped = torch.ones(20, dtype=torch.bool).index_fill(0, kept, False)
             assert (logp[skipped] == 0).all() and (ent is None or (ent[skipped] == 0).all())
         h.grad = w.grad = None
