@@ -141,6 +141,16 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
         notes.append(f"free_cache_engine=False (the engine stays awake: no wake or sleep a step) "
                      f"{awake['verdict']}: peak {awake['peak_gib']:.1f} GiB, "
                      f"gradient_checkpointing {awake['gradient_checkpointing']}")
+    if cfg.param_offload:  # the faster choice: FSDP2's CPU offload runs the AdamW step on the host
+        on_gpu = memory_plan(dataclasses.replace(asked, param_offload=False), m, world_size, gpu_gib,
+                             runtime_gib, engine)
+        if cfg.optimizer_offload:
+            kept = "the AdamW states still on the host between optimizer steps"
+        else:
+            kept = "every state on the GPU"
+        notes.append(f"param_offload=False (params and grads on the GPU and the optimizer step there, "
+                     f"{kept}) {on_gpu['verdict']}: peak {on_gpu['peak_gib']:.1f} of {gpu_gib:g} GiB, "
+                     f"gradient_checkpointing {on_gpu['gradient_checkpointing']}")
     if vllm:
         notes.append(vllm_note)
         if vllm_kv_gib <= 0:

@@ -20,13 +20,16 @@
 # --val_n=32 for an average over 32 samples). Not yet reproduced with nanodapo.
 #
 # Rollout: the in-process vLLM engine with the recipe's settings (TP 4: 32 engines of 4 GPUs, gpu_memory_utilization
-# 0.8, chunked prefill, max_num_batched_tokens 22528). While it is awake it takes 0.8 of each GPU; the trainer's
-# states are offloaded to the host (as in the recipe), so what stays on the GPU next to it is small. The built-in
+# 0.8, chunked prefill, max_num_batched_tokens 22528). While it is awake it takes 0.8 of each GPU; the AdamW states
+# wait on the host between optimizer steps, so what stays on the GPU next to it is small. The built-in
 # engine cannot run this recipe: a full bf16 weight copy per GPU (61 GiB) plus a static KV cache of 5.5 GiB per
 # row does not fit (python train_dapo.py configs/qwen32b.py --dry_run --rollout_engine=torch shows it).
 # Ulysses sequence parallel size 8, as in the recipe: the 8 GPUs of a node split each micro-batch's tokens; the token
 # budgets stay per GPU (verl's convention), so an SP group's micro-batch is 8 x 22528 tokens.
 # Recipe settings nanodapo does not take:
+# - actor.fsdp_config.param_offload: False here. It would run every AdamW step on the host CPUs, which the 8 ranks of
+#   a node share; with only the AdamW states offloaded (optimizer_offload) the step runs on the GPU, and the dry run
+#   plans 70.9 GiB a GPU on 80 GiB GPUs against 70.0 GiB with param_offload, the same checkpointing either way.
 # - ref.fsdp_config.param_offload: no reference model is built (no KL term), so there is nothing to offload.
 # - trainer.logger console + wandb: logger here is the default ["console", "jsonl"]; add "wandb" to log to wandb.
 # Validation samples with top_p 0.7, as verl's recipe script does.
@@ -91,9 +94,8 @@ enable_chunked_prefill = True
 max_num_batched_tokens = 22528
 max_num_seqs = 256
 
-# parallelism: FSDP over all 128 GPUs (dp 16 x sp 8), params + grads + AdamW states offloaded to the host
+# parallelism: FSDP over all 128 GPUs (dp 16 x sp 8), the AdamW states on the host between optimizer steps
 sp_size = 8
-param_offload = True
 optimizer_offload = True
 nnodes = 16
 n_gpus_per_node = 8

@@ -287,6 +287,30 @@ def test_memory_plan_of_an_engine_that_stays_awake():
     assert any(n.endswith(f"fits: peak {awake[3]:.1f} GiB, gradient_checkpointing 3") for n in p["notes"])
 
 
+def test_memory_plan_with_param_offload_names_the_faster_choice():
+    """param_offload runs the AdamW step on the host; the plan says what param_offload=False (optimizer_offload as
+    asked) would take, planned alike, and whether it fits this GPU. On the 30B-A3B recipe (8 GPUs) the states are
+    GiBs, so the note's figure tells the two offload choices apart."""
+    recipe, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "qwen3_30b_a3b_dapo.py")])
+    mc = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen3-30b-a3b"])
+    assert recipe.param_offload and recipe.optimizer_offload
+    for opt in (True, False):
+        offloaded = dataclasses.replace(recipe, optimizer_offload=opt)
+        on_gpu = plan.memory_plan(dataclasses.replace(offloaded, param_offload=False), mc, 8, 141, engine="vllm")
+        p = plan.memory_plan(offloaded, mc, 8, 141, engine="vllm")
+        note = next(n for n in p["notes"] if n.startswith("param_offload=False"))
+        assert note.endswith(f"{on_gpu['verdict']}: peak {on_gpu['peak_gib']:.1f} of 141 GiB, "
+                             f"gradient_checkpointing {on_gpu['gradient_checkpointing']}")
+        assert ("AdamW states still on the host" in note) == opt
+    # with the AdamW states on the host it fits 80 GiB GPUs; with every state on the GPU it does not
+    notes = [plan.memory_plan(dataclasses.replace(recipe, optimizer_offload=opt), mc, 8, 80, engine="vllm")["notes"]
+             for opt in (True, False)]
+    assert any(n.startswith("param_offload=False") and " fits: peak" in n for n in notes[0])
+    assert any(n.startswith("param_offload=False") and "does not fit: peak" in n for n in notes[1])
+    plain = plan.memory_plan(dataclasses.replace(recipe, param_offload=False), mc, 8, 80, engine="vllm")
+    assert not any(n.startswith("param_offload=False") for n in plain["notes"])
+
+
 def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
     cfg, _ = T.parse_args(T.Config, [os.path.join(ROOT, "configs", "qwen32b.py")])
     mc = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen2.5-32b"])
@@ -297,7 +321,7 @@ def test_format_memory_plan_lists_every_term_and_both_gpu_sizes():
         assert label in text
     for p in plans:
         assert p["verdict"] in text
-        assert p["gib"]["params"] == 0 and p["host_gib"] > 0  # param + optimizer offload
+        assert p["gib"]["params"] > 0 and p["host_gib"] == pytest.approx(p["gib"]["optimizer"])  # optimizer offload
 
 
 # -----------------------------------------------------------------------------
