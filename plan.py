@@ -135,22 +135,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
     notes = _generators_note(cfg, world_size, engine, generator_gib) if cfg.rollout_gpus else []
-    if cfg.free_cache_engine and not cfg.rollout_gpus:  # the other choice, planned alike
-        awake = memory_plan(dataclasses.replace(asked, free_cache_engine=False), m, world_size, gpu_gib,
-                            runtime_gib, engine)
-        notes.append(f"free_cache_engine=False (the engine stays awake: no wake or sleep a step) "
-                     f"{awake['verdict']}: peak {awake['peak_gib']:.1f} GiB, "
-                     f"gradient_checkpointing {awake['gradient_checkpointing']}")
-    if cfg.param_offload:  # the faster choice: FSDP2's CPU offload runs the AdamW step on the host
-        on_gpu = memory_plan(dataclasses.replace(asked, param_offload=False), m, world_size, gpu_gib,
-                             runtime_gib, engine)
-        if cfg.optimizer_offload:
-            kept = "the AdamW states still on the host between optimizer steps"
-        else:
-            kept = "every state on the GPU"
-        notes.append(f"param_offload=False (params and grads on the GPU and the optimizer step there, "
-                     f"{kept}) {on_gpu['verdict']}: peak {on_gpu['peak_gib']:.1f} of {gpu_gib:g} GiB, "
-                     f"gradient_checkpointing {on_gpu['gradient_checkpointing']}")
+    notes += _faster_choices(asked, m, world_size, gpu_gib, runtime_gib, engine)
     if vllm:
         notes.append(vllm_note)
         if vllm_kv_gib <= 0:
@@ -165,6 +150,29 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+def _faster_choices(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float,
+                    engine: str) -> list[str]:
+    """memory_plan's notes on the faster choices cfg did not make, each planned alike (the same run with one
+    knob changed; "auto" checkpointing planned for it): the engine kept awake, the AdamW step on the GPU."""
+    choices = []
+    if cfg.free_cache_engine and not cfg.rollout_gpus:
+        choices.append(("free_cache_engine=False (the engine stays awake: no wake or sleep a step)",
+                        {"free_cache_engine": False}))
+    if cfg.param_offload:  # FSDP2's CPU offload runs the AdamW step on the host
+        if cfg.optimizer_offload:
+            kept = "the AdamW states still on the host between optimizer steps"
+        else:
+            kept = "every state on the GPU"
+        choices.append(("param_offload=False (params and grads on the GPU and the optimizer step there, "
+                        f"{kept})", {"param_offload": False}))
+    notes = []
+    for choice, change in choices:
+        p = memory_plan(dataclasses.replace(cfg, **change), m, world_size, gpu_gib, runtime_gib, engine)
+        notes.append(f"{choice} {p['verdict']}: peak {p['peak_gib']:.1f} of {gpu_gib:g} GiB, "
+                     f"gradient_checkpointing {p['gradient_checkpointing']}")
+    return notes
 
 
 def _logprob_buffer_bytes(cfg, m, local: int, n_ckpt: int) -> int:

@@ -279,12 +279,13 @@ def test_memory_plan_of_an_engine_that_stays_awake():
         assert text.index("resident") < text.index(plan.MEMORY_TERMS[awake][1]) < text.index("training")
         # the plan of the default (freed) names the other choice and what it would take, "auto" planned for it
         note = next(n for n in freed["notes"] if n.startswith("free_cache_engine=False"))
-        assert f"fits: peak {kept['peak_gib']:.1f} GiB, gradient_checkpointing True" in note
+        assert f"fits: peak {kept['peak_gib']:.1f} of 80 GiB, gradient_checkpointing True" in note
     mc = dataclasses.replace(planner_model(), num_hidden_layers=8)  # "auto" is planned for the awake engine too
     awake = [plan.memory_plan(planner_cfg(gradient_checkpointing=n, free_cache_engine=False), mc, 8, 80, 0)["peak_gib"]
              for n in range(8)]
-    p = plan.memory_plan(planner_cfg(gradient_checkpointing="auto"), mc, 8, (awake[2] + awake[3]) / 2 / 0.85, 0)
-    assert any(n.endswith(f"fits: peak {awake[3]:.1f} GiB, gradient_checkpointing 3") for n in p["notes"])
+    gpu_gib = (awake[2] + awake[3]) / 2 / 0.85
+    p = plan.memory_plan(planner_cfg(gradient_checkpointing="auto"), mc, 8, gpu_gib, 0)
+    assert any(n.endswith(f"fits: peak {awake[3]:.1f} of {gpu_gib:g} GiB, gradient_checkpointing 3") for n in p["notes"])
 
 
 def test_memory_plan_with_param_offload_names_the_faster_choice():
