@@ -522,8 +522,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused_gate_up = False  # fuse_gate_up: [gate; up] in one weight, gate_up_weight
+
+    def fuse_gate_up(self):
+        """One [gate; up] weight of which gate_proj and up_proj's weights become slices: one matmul instead of
+        two. For a module that is not trained (a rollout engine's copy), like fuse_qkv."""
+        projs = (self.gate_proj, self.up_proj)
+        with torch.no_grad():
+            self.register_buffer("gate_up_weight", torch.cat([p.weight for p in projs]), persistent=False)
+            for p, w in zip(projs, self.gate_up_weight.chunk(2)):
+                p.weight = nn.Parameter(w, requires_grad=False)
+        self.fused_gate_up = True
 
     def forward(self, x):
+        if self.fused_gate_up:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import parallel
 import reward
 from hf import copy_hf_tensor, hf_targets, hf_tensors, load_config
-from model import AttnBatch, pack_sequences
+from model import MLP, AttnBatch, pack_sequences
 
 
 @dataclass
@@ -102,12 +102,18 @@ class TorchEngine:
     graphs captured per (batch-size bucket, cache span). compile: torch.compile the decoder blocks (the
     engine's own copy) and the sampler, so Inductor fuses the norms, RoPE and SwiGLU that otherwise launch
     most of those kernels, and the sampler's dozen passes over the logits."""
+    # decode steps between the host's looks at which rows finished (each look waits for the GPU); a row that
+    # finishes in between decodes on until then, its tokens past its length dropped
+    finished_check_every = 8
+
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True, compile: bool = False):
         self.model = model
-        if not shares_weights:  # a copy of its own, never trained: q, k and v in one matmul
+        if not shares_weights:  # a copy of its own, never trained: q, k and v in one matmul, gate and up in one
             for layer in model.model.layers:
                 layer.self_attn.fuse_qkv()
+                if isinstance(layer.mlp, MLP):  # dense; an MoE layer's experts are stacked already
+                    layer.mlp.fuse_gate_up()
         self.pick = None  # sample_tokens' default, eager gumbel_pick
         if compile:  # shapes symbolic from the start: the graphs serve every batch bucket and cache span
             parallel.apply_compile(model, dynamic=True)
@@ -278,30 +284,33 @@ class TorchEngine:
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
         paused = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        running = torch.ones(rows, dtype=torch.bool, device=self.device)  # per live cache row: not finished
         for step in range(T):
             if should_stop is not None and should_stop():
                 raise GenerationStopped(f"stopped at decode step {step} of {T}")
             if should_pause is not None and should_pause():  # this step's tokens are not kept
-                paused[alive] = True
+                paused[alive] = running
                 break
+            # a finished row's later tokens land past its length: never read
             out_tok[alive, step], out_logp[alive, step] = tok, logp
-            done = torch.isin(tok, stop)
-            stopped[alive] = done
-            lengths[alive] = step + 1
-            done |= limit[alive] <= step + 1
+            hit = torch.isin(tok, stop) & running
+            stopped[alive] |= hit
+            lengths[alive] = torch.where(running, step + 1, lengths[alive])
+            running &= ~hit & (limit[alive] > step + 1)
             if step == T - 1:
                 break
-            keep = ~done
-            n_keep = int(keep.sum())  # the one host sync per step
-            if n_keep == 0:
-                break
             cache_len = longest + step + 1  # positions any row reads at this step
-            if n_keep < len(alive):  # compact: live rows move to the front of the cache
-                keep_idx = keep.nonzero()[:, 0]
-                for k, v in cache:
-                    k[:n_keep, :, :cache_len] = k[keep_idx, :, :cache_len]
-                    v[:n_keep, :, :cache_len] = v[keep_idx, :, :cache_len]
-                alive, tok, cache_pos = alive[keep_idx], tok[keep_idx], cache_pos[keep_idx]
+            if (step + 1) % self.finished_check_every == 0:  # the host sync: drop finished rows
+                n_keep = int(running.sum())
+                if n_keep == 0:
+                    break
+                if n_keep < len(alive):  # compact: live rows move to the front of the cache
+                    keep_idx = running.nonzero()[:, 0]
+                    for k, v in cache:
+                        k[:n_keep, :, :cache_len] = k[keep_idx, :, :cache_len]
+                        v[:n_keep, :, :cache_len] = v[keep_idx, :, :cache_len]
+                    alive, tok, cache_pos = alive[keep_idx], tok[keep_idx], cache_pos[keep_idx]
+                    running = running[keep_idx]
             logits = self._decode(tok, cache_pos, cache, cache_len)
             tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g, self.pick)
             cache_pos = cache_pos + 1

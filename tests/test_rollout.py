@@ -32,22 +32,41 @@ def naive_greedy(m, prompt, max_tokens, stop):
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 11, 12], [10], [30, 31, 32, 33]]
 
 
-def test_greedy_equals_naive_loop_with_stops_and_compaction():
+@pytest.mark.parametrize("check_every", [1, 2, 5, 100])  # 100: finished rows decode on to the end
+def test_greedy_equals_naive_loop_with_stops_and_compaction(monkeypatch, check_every):
+    monkeypatch.setattr(R.TorchEngine, "finished_check_every", check_every)
     m = tiny_model()
     # pick stop tokens that the naive loop actually emits mid-way, so rows finish at different steps
     free = [naive_greedy(m, p, 12, stop=()) for p in PROMPTS]
     stop = {free[0][4], free[2][2]}
     expected = [naive_greedy(m, p, 12, stop) for p in PROMPTS]
     assert len({len(e) for e in expected}) > 1  # rows really finish at different steps
+    params = R.SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=list(stop))
     for max_num_seqs in (16, 3):  # 3: several waves
         eng = R.TorchEngine(m, max_num_seqs=max_num_seqs)
-        out = eng.generate(PROMPTS, R.SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=list(stop)))
+        out = eng.generate(PROMPTS, params)
         for exp, comps in zip(expected, out):
             assert len(comps) == 2
             for c in comps:
                 assert c.token_ids == exp
                 assert c.finish_reason == ("stop" if exp[-1] in stop else "length")
                 assert len(c.logprobs) == len(exp)
+    # prompt 0's own budget ends it one token before its stop token, which it then decodes on to
+    budgets = [len(expected[0]) - 1, 12, 12, 12]
+    out = R.TorchEngine(m).generate(PROMPTS, params, max_tokens=budgets)
+    for exp, comps, budget in zip(expected, out, budgets):
+        for c in comps:
+            assert c.token_ids == exp[:budget]
+            assert c.finish_reason == ("stop" if len(exp) <= budget and exp[-1] in stop else "length")
+    # paused after 8 tokens: rows that stopped before keep their ending, whether or not the host has looked
+    asked = []
+    paused = R.TorchEngine(m).generate(PROMPTS, params, should_pause=lambda: asked.append(1) or len(asked) > 8)
+    for exp, comps in zip(expected, paused):
+        for c in comps:
+            if len(exp) <= 8 and exp[-1] in stop:
+                assert (c.token_ids, c.finish_reason) == (exp, "stop")
+            else:
+                assert (c.token_ids, c.finish_reason) == (exp[:8], "abort")
 
 
 def test_a_stop_request_ends_generation_within_a_decode_step_and_a_false_one_changes_nothing():
@@ -282,10 +301,10 @@ def test_a_new_token_count_does_not_compile_the_log_prob_head_again():
 
 
 @pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])  # q/k/v biases; q/k norms
-def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfused_one(architecture):
-    """An engine that owns its copy fuses q, k and v into one weight whose slices are the parameters: the
-    same tokens and log-probs as an engine on an unfused model, and pushed weights (load_weights, by the
-    model's names) reach the fused weight."""
+def test_an_engine_copy_with_fused_projections_generates_and_loads_weights_as_the_unfused_one(architecture):
+    """An engine that owns its copy fuses q, k and v, and gate and up, into weights whose slices are the
+    parameters: the same tokens and log-probs as an engine on an unfused model, and pushed weights
+    (load_weights, by the model's names) reach the fused weights."""
     sp = R.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
     prompts = [[t % 50 for t in p] for p in PROMPTS]
     ref = R.TorchEngine(tiny_model(4, architecture=architecture))
@@ -294,6 +313,8 @@ def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfuse
     k_rows = attn.qkv_weight[attn.q_proj.out_features:]
     assert attn.qkv_sizes is not None and attn.k_proj.weight.data_ptr() == k_rows.data_ptr()
     assert (attn.qkv_bias is None) == (architecture == "Qwen3ForCausalLM")
+    mlp = own.model.model.layers[0].mlp
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
 
     def same(a, b):
         for cs, es in zip(a, b):
@@ -305,4 +326,5 @@ def test_an_engine_copy_with_fused_qkv_generates_and_loads_weights_as_the_unfuse
     other = tiny_model(9, architecture=architecture)
     own.load_weights([list(other.named_parameters())], version=1)
     same(own.generate(prompts, sp, version=1), R.TorchEngine(other).generate(prompts, sp))
+    assert "gate_up_weight" not in "".join(own.model.state_dict())
     assert "self_attn.qkv_weight" not in "".join(own.model.state_dict())  # not saved: the parameters are
