@@ -219,9 +219,17 @@ class TorchEngine:
         for (k, v), (k_cache, v_cache) in zip(batch.collect_kv, cache):
             k_cache[:rows, :, :Lp] = k[idx].transpose(1, 2)  # positions past a prompt's end are masked later
             v_cache[:rows, :, :Lp] = v[idx].transpose(1, 2)
-        tok, logp = sample_tokens(logits.repeat_interleave(n, 0), params.temperature, params.top_p,
-                                  params.top_k, g, self.pick)
+        rows_logits = logits.repeat_interleave(n, 0)
+        tok, logp = sample_tokens(rows_logits, params.temperature, params.top_p, params.top_k, g,
+                                  self._pick(rows_logits.shape[0]))
         return tok, logp, lens.repeat_interleave(n)
+
+    def _pick(self, rows: int):
+        """The sampler's pick for `rows` rows: for one row the eager one, because torch.compile specializes a
+        size of 1 (a compiled pick would compile a graph of its own mid-run, the first time one row is left)."""
+        if rows == 1:
+            return None
+        return self.pick
 
     def _decode(self, tokens, cache_pos, cache, cache_len: int):
         """One token per row -> logits [rows, vocab]; replayed from a CUDA graph when enabled."""
@@ -312,7 +320,8 @@ class TorchEngine:
                     alive, tok, cache_pos = alive[keep_idx], tok[keep_idx], cache_pos[keep_idx]
                     running = running[keep_idx]
             logits = self._decode(tok, cache_pos, cache, cache_len)
-            tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g, self.pick)
+            tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g,
+                                      self._pick(logits.shape[0]))
             cache_pos = cache_pos + 1
         out_tok, out_logp, lengths = out_tok.tolist(), out_logp.tolist(), lengths.tolist()
         stopped, paused = stopped.tolist(), paused.tolist()
