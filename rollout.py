@@ -109,7 +109,7 @@ class TorchEngine:
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True, compile: bool = False):
         self.model = model
-        if not shares_weights:  # a copy of its own, never trained: q, k and v in one matmul, gate and up in one
+        if not shares_weights:  # a copy of its own, never trained: one matmul for q, k, v and one for gate, up
             for layer in model.model.layers:
                 layer.self_attn.fuse_qkv()
                 if isinstance(layer.mlp, MLP):  # dense; an MoE layer's experts are stacked already
@@ -226,7 +226,8 @@ class TorchEngine:
 
     def _pick(self, rows: int):
         """The sampler's pick for `rows` rows: for one row the eager one, because torch.compile specializes a
-        size of 1 (a compiled pick would compile a graph of its own mid-run, the first time one row is left)."""
+        size of 1 (a compiled pick would compile a graph of its own mid-run, the first time one row is
+        left)."""
         if rows == 1:
             return None
         return self.pick
