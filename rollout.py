@@ -109,7 +109,7 @@ class TorchEngine:
     def __init__(self, model, max_num_seqs: int = 256, use_cuda_graph: bool | None = None,
                  shares_weights: bool = True, compile: bool = False):
         self.model = model
-        if not shares_weights:  # a copy of its own, never trained: one matmul for q, k, v and one for gate, up
+        if not shares_weights:  # a copy of its own, never trained: q, k, v in one matmul, gate, up in one
             for layer in model.model.layers:
                 layer.self_attn.fuse_qkv()
                 if isinstance(layer.mlp, MLP):  # dense; an MoE layer's experts are stacked already
