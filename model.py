@@ -456,6 +456,17 @@ class _SumGrad(torch.autograd.Function):
         return g, None
 
 
+def fuse_parameters(module: nn.Module, buffer: str, projs, attr: str):
+    """The projections' `attr` tensors (weight or bias) concatenated into module's buffer `buffer` (not
+    saved), each projection's parameter becoming its slice of it: one matmul reads them all, and copying into
+    a parameter (as load_weights does) fills the fused tensor."""
+    with torch.no_grad():
+        fused = torch.cat([getattr(p, attr) for p in projs])
+        module.register_buffer(buffer, fused, persistent=False)
+        for p, piece in zip(projs, fused.split([p.out_features for p in projs])):
+            setattr(p, attr, nn.Parameter(piece, requires_grad=False))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -475,16 +486,11 @@ class Attention(nn.Module):
         trained (a rollout engine's copy); copying into the parameters, as load_weights does, fills it."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_sizes = [p.out_features for p in projs]
-        with torch.no_grad():
-            self.register_buffer("qkv_weight", torch.cat([p.weight for p in projs]), persistent=False)
-            for p, w in zip(projs, self.qkv_weight.split(self.qkv_sizes)):
-                p.weight = nn.Parameter(w, requires_grad=False)
-            if self.q_proj.bias is not None:
-                self.register_buffer("qkv_bias", torch.cat([p.bias for p in projs]), persistent=False)
-                for p, b in zip(projs, self.qkv_bias.split(self.qkv_sizes)):
-                    p.bias = nn.Parameter(b, requires_grad=False)
-            else:
-                self.qkv_bias = None
+        fuse_parameters(self, "qkv_weight", projs, "weight")
+        if self.q_proj.bias is not None:
+            fuse_parameters(self, "qkv_bias", projs, "bias")
+        else:
+            self.qkv_bias = None
 
     def forward(self, x, cos, sin, batch: AttnBatch, kv_cache=None):
         """kv_cache: decode: this layer's (k, v) cache, a tuple; prefill: a list that receives its new
@@ -527,11 +533,7 @@ class MLP(nn.Module):
     def fuse_gate_up(self):
         """One [gate; up] weight of which gate_proj and up_proj's weights become slices: one matmul instead of
         two. For a module that is not trained (a rollout engine's copy), like fuse_qkv."""
-        projs = (self.gate_proj, self.up_proj)
-        with torch.no_grad():
-            self.register_buffer("gate_up_weight", torch.cat([p.weight for p in projs]), persistent=False)
-            for p, w in zip(projs, self.gate_up_weight.chunk(2)):
-                p.weight = nn.Parameter(w, requires_grad=False)
+        fuse_parameters(self, "gate_up_weight", (self.gate_proj, self.up_proj), "weight")
         self.fused_gate_up = True
 
     def forward(self, x):

@@ -64,13 +64,17 @@ class Completion:
 
 def sample_tokens(logits, temperature: float, top_p: float, top_k: int, generator=None, pick=None):
     """-> (token ids [rows], log p(token) under log_softmax(logits / T)) with top-k / top-p filtering.
-    pick: gumbel_pick or a compiled copy of it (the engine's, one fused kernel instead of a dozen)."""
+    pick: gumbel_pick or a compiled copy of it (the engine's, one fused kernel instead of a dozen); one row
+    takes the eager one, because torch.compile specializes a size of 1 (a compiled pick would compile a graph
+    of its own mid-run, the first time one row is left)."""
     if temperature <= 0:  # greedy; log-probs at temperature 1
         logits = logits.float()
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
     noise = torch.empty(logits.shape, device=logits.device).exponential_(generator=generator)
-    return (pick or gumbel_pick)(logits, noise, temperature, top_p, top_k)
+    if pick is None or logits.shape[0] == 1:
+        pick = gumbel_pick
+    return pick(logits, noise, temperature, top_p, top_k)
 
 
 def gumbel_pick(logits, noise, temperature: float, top_p: float, top_k: int):
@@ -219,18 +223,9 @@ class TorchEngine:
         for (k, v), (k_cache, v_cache) in zip(batch.collect_kv, cache):
             k_cache[:rows, :, :Lp] = k[idx].transpose(1, 2)  # positions past a prompt's end are masked later
             v_cache[:rows, :, :Lp] = v[idx].transpose(1, 2)
-        rows_logits = logits.repeat_interleave(n, 0)
-        tok, logp = sample_tokens(rows_logits, params.temperature, params.top_p, params.top_k, g,
-                                  self._pick(rows_logits.shape[0]))
+        tok, logp = sample_tokens(logits.repeat_interleave(n, 0), params.temperature, params.top_p,
+                                  params.top_k, g, self.pick)
         return tok, logp, lens.repeat_interleave(n)
-
-    def _pick(self, rows: int):
-        """The sampler's pick for `rows` rows: for one row the eager one, because torch.compile specializes a
-        size of 1 (a compiled pick would compile a graph of its own mid-run, the first time one row is
-        left)."""
-        if rows == 1:
-            return None
-        return self.pick
 
     def _decode(self, tokens, cache_pos, cache, cache_len: int):
         """One token per row -> logits [rows, vocab]; replayed from a CUDA graph when enabled."""
@@ -321,8 +316,7 @@ class TorchEngine:
                     alive, tok, cache_pos = alive[keep_idx], tok[keep_idx], cache_pos[keep_idx]
                     running = running[keep_idx]
             logits = self._decode(tok, cache_pos, cache, cache_len)
-            tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g,
-                                      self._pick(logits.shape[0]))
+            tok, logp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, g, self.pick)
             cache_pos = cache_pos + 1
         out_tok, out_logp, lengths = out_tok.tolist(), out_logp.tolist(), lengths.tolist()
         stopped, paused = stopped.tolist(), paused.tolist()
