@@ -8,9 +8,10 @@ bench/step.py). Sides:
   before            the trainer's own module (no fused q/k/v or gate/up), SDPA with a mask for decode
                     attention, the eager sampler
 Each side's first call (compiles, captures graphs) is untimed; then the sides take turns, so a drift of the
-machine reaches all of them. Also: decode attention alone against fp32, the sampler alone, and with --profile
-the kernel time of one decode step by kind (the default side, decode steps without CUDA graphs, the prefill
-subtracted).
+machine reaches all of them. Also: decode attention alone against fp32, the sampler alone, the decode step's
+matmuls alone (cuBLAS's time and bandwidth per kind: how far they are from reading the weights at full speed),
+and with --profile the kernel time and launches of one decode step by kind (the default side, decode steps
+without CUDA graphs, the prefill subtracted).
 
     python bench/decode.py --out decode.json [--profile]
     python bench/decode.py --tiny            # a tiny model on the CPU: a smoke test of this script
@@ -95,6 +96,40 @@ RES["sample_us_compiled"] = us(lambda: R.sample_tokens(logits, 1.0, 1.0, -1, g, 
 dump(RES, args.out)
 
 
+def matmul_floor(rows: int) -> dict:
+    """The decode step's matmuls alone, as torch runs them (cuBLAS on a GPU): per kind, microseconds per call
+    and the weight bytes read per second, each kind over every layer's own weights (so nothing is served from
+    the L2 cache), inside one CUDA graph on a GPU."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    shapes = {"qkv": (H, qkv), "o": (cfg.num_attention_heads * cfg.head_dim, H), "gate_up": (H, 2 * inter),
+              "down": (inter, H), "head": (H, cfg.vocab_size)}
+    out = {}
+    for name, (k, n) in shapes.items():
+        count = 1 if name == "head" else cfg.num_hidden_layers
+        ws = [torch.randn(n, k, device=dev, generator=g).to(dtype) for _ in range(count)]
+        x = torch.randn(rows, k, device=dev, generator=g).to(dtype)
+
+        def every_layer():
+            for w in ws:
+                torch.nn.functional.linear(x, w)
+        fn = every_layer
+        if dev.type == "cuda":
+            every_layer()  # cuBLAS picks and loads its kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                every_layer()
+            fn = graph.replay
+        t = us(fn) / count
+        out[name] = {"us": round(t, 2), "GB_per_s": round(n * k * x.element_size() / t / 1e3)}
+    return out
+
+
+RES[f"matmul_{rows}_rows"] = matmul_floor(rows)
+print(RES[f"matmul_{rows}_rows"], flush=True)
+dump(RES, args.out)
+
+
 def build(side: str) -> tuple[R.TorchEngine, str]:
     """-> (the side's engine on fresh random weights, the decode kernel it runs with)."""
     model = random_model(cfg, dev, dtype).eval()
@@ -160,21 +195,25 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def kernel_time_by_kind(eng: R.TorchEngine, new_tokens: int) -> dict:
-    """Device time (us) of one generate of the trainer's groups, summed per kernel kind."""
+def kernel_time_by_kind(eng: R.TorchEngine, new_tokens: int) -> tuple[dict, dict]:
+    """-> (device time (us), kernel launches) of one generate of the trainer's groups, per kernel kind."""
     params = R.SamplingParams(n=8, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=3)
     eng.generate(prompts, params)  # warm
     activity = ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         eng.generate(prompts, params)
-    kinds = {}
+    kinds, counts = {}, {}
     for e in prof.key_averages():
         if dev.type == "cuda":
             t = e.device_time_total
         else:
             t = e.self_cpu_time_total
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + t
-    return kinds
+        if t <= 0:  # a runtime call (a launch, a sync), not a kernel
+            continue
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + t
+        counts[kind] = counts.get(kind, 0) + e.count
+    return kinds, counts
 
 
 if args.profile and "default" in engines:
@@ -184,10 +223,12 @@ if args.profile and "default" in engines:
     eng.use_cuda_graph = False
     eng.sleep()
     steps = 8 if args.tiny else 64
-    prefill = kernel_time_by_kind(eng, 1)
-    both = kernel_time_by_kind(eng, steps + 1)
+    prefill, prefill_n = kernel_time_by_kind(eng, 1)
+    both, both_n = kernel_time_by_kind(eng, steps + 1)
     per_step = {k: round((both[k] - prefill.get(k, 0.0)) / steps, 1) for k in both}
     RES["profile_us_per_decode_step"] = dict(sorted(per_step.items(), key=lambda kv: -kv[1]))
+    RES["profile_launches_per_decode_step"] = {k: round((both_n[k] - prefill_n.get(k, 0)) / steps, 1)
+                                               for k in both_n}
     RES["profile_prefill_us"] = {k: round(v, 1) for k, v in prefill.items()}
     print(RES["profile_us_per_decode_step"], flush=True)
 dump(RES, args.out)
