@@ -24,12 +24,6 @@ import reward
 from data import Tokenizer
 from hf import check_weights
 
-# the choices of the algorithm's knobs (train_dapo.py's pure functions name them in their errors)
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-
-
 class ConfigError(ValueError):
     """A bad knob, file or directory, found before any expensive work; the message names it and the fix."""
 
@@ -90,8 +84,7 @@ def set_field(cfg, key: str, value, where: str):
     if isinstance(value, str) and typing.get_origin(tp) is list:
         value = [value]  # train_files="a.parquet" means one file
     if not type_matches(value, tp):
-        raise ConfigError(f"{key}={value!r} ({where}) has type {type(value).__name__}; expected "
-                          f"{getattr(tp, '__name__', str(tp))}")
+        raise ConfigError(f"{key}={value!r} ({where}){wrong_type(value, tp)}")
     if typing.get_origin(tp) is tuple:
         value = tuple(value)
     if (tp is float or float in typing.get_args(tp)) and isinstance(value, int):
@@ -101,10 +94,12 @@ def set_field(cfg, key: str, value, where: str):
 
 def type_matches(value, tp) -> bool:
     """Does value have the annotated type tp?
-    (int is a float; bool is not an int; lists and tuples by element)"""
+    (int is a float; bool is not an int; lists and tuples by element; a Literal is its values)"""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return any(type_matches(value, a) for a in args)
+    if origin is typing.Literal:  # a choice: one of the values (True is not 1)
+        return any(value == a and type(value) is type(a) for a in args)
     if tp is type(None):
         return value is None
     if tp is float:
@@ -120,6 +115,25 @@ def type_matches(value, tp) -> bool:
             return False
         return all(type_matches(v, a) for v, a in zip(value, args))
     return isinstance(value, tp)
+
+
+def choices(tp) -> list:
+    """The values a choice knob allows: a Literal annotation's, with True and False where the Literal is in
+    a union with bool (compile: bool | Literal["auto"]); [] for any other type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return list(args)
+    if origin in (typing.Union, types.UnionType):
+        literal = [c for a in args for c in choices(a)]
+        return literal + [True, False] if literal and bool in args else literal
+    return []
+
+
+def wrong_type(value, tp) -> str:
+    """What an error says of a value that does not match tp: the choices, or the type expected."""
+    if choices(tp):
+        return "; choose one of " + ", ".join(map(str, choices(tp)))
+    return f" has type {type(value).__name__}; expected {getattr(tp, '__name__', str(tp))}"
 
 
 # -----------------------------------------------------------------------------
@@ -160,11 +174,6 @@ KNOB_RANGES = {  # knob -> (test, what the message says is allowed)
                                    "float('inf') in a config file turns clipping off"),
     "betas": (lambda v: all(0 <= b < 1 for b in v), "two values in [0, 1)"),
 }
-CHOICES = {"loss_agg_mode": AGG_MODES, "kl_loss_type": KL_TYPES, "kl_penalty": KL_TYPES,
-           "filter_groups_metric": FILTER_METRICS, "truncation": data.TRUNCATION_MODES,
-           "lr_scheduler": ("constant", "cosine"), "rollout_engine": ("auto", "torch", "vllm"),
-           "device": ("auto", "cuda", "npu", "cpu"), "dtype": ("bfloat16", "float16", "float32"),
-           "compile": (True, False, "auto")}
 LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -203,9 +212,9 @@ def check_knobs(cfg):
         v = getattr(cfg, k)
         if isinstance(v, float) and math.isnan(v) or not ok(v):
             raise ConfigError(f"{k}={v!r} must be {allowed}")
-    for k, allowed in CHOICES.items():
-        if getattr(cfg, k) not in allowed:
-            raise ConfigError(f"{k}={getattr(cfg, k)!r}; choose one of {', '.join(allowed)}")
+    for k, tp in typing.get_type_hints(type(cfg)).items():  # the choices: Literal annotations
+        if choices(tp) and not type_matches(getattr(cfg, k), tp):
+            raise ConfigError(f"{k}={getattr(cfg, k)!r}{wrong_type(getattr(cfg, k), tp)}")
     ckpt = cfg.gradient_checkpointing
     blocks = type(ckpt) is int and ckpt >= 0
     if ckpt not in (True, False, "auto") and not blocks:

@@ -19,6 +19,8 @@ One training step, in the order this file reads:
  3. score them (verifier + overlong shaping)   7. ppo_epochs x mini-batches of clipped policy-gradient updates
  4. keep groups with reward variance, refill   8. metrics, validation, checkpoint
 """
+from __future__ import annotations  # Config's choice types (AggMode, ...) are declared beside their functions
+
 import contextlib
 import functools
 import gc
@@ -29,6 +31,7 @@ import os
 import sys
 import time
 import typing
+from typing import Literal
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -41,7 +44,7 @@ import plan
 import reliability
 import reward
 from checkpoint import CheckpointError, fault_point
-from config import AGG_MODES, KL_TYPES, ConfigError, check_config, parse_args
+from config import ConfigError, check_config, parse_args
 from data import Tokenizer
 from hf import from_pretrained, load_config
 from model import IGNORE_INDEX, load_balancing_loss, pack_sequences
@@ -64,7 +67,7 @@ class Config:
     chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_length: int = 512  # templated prompt tokens
     max_response_length: int = 1024  # generated tokens per response
-    truncation: str = "error"  # overlong prompt: error | left | right | middle
+    truncation: Literal[data.TRUNCATION_MODES] = "error"  # an overlong prompt: error, or cut left/right/middle
     filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length instead
     train_max_samples: int = -1  # use only the first N train prompts (-1 = all)
     val_max_samples: int = -1  # use only the first N val prompts (-1 = all)
@@ -85,7 +88,7 @@ class Config:
     clip_ratio_high: float = 0.28  # eps_high (clip-higher): ratio <= 1 + eps_high
     clip_ratio_c: float = 10.0  # dual-clip bound for negative advantages (> 1)
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: AggMode = "token-mean"
     norm_adv_by_std: bool = True  # GRPO: divide by group std; False = Dr.GRPO
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
     router_aux_loss: bool = False  # MoE: add the load-balancing loss x router_aux_loss_coef (config.json)
@@ -93,13 +96,13 @@ class Config:
     # KL (a reference model is built only when one of these is on)
     use_kl_loss: bool = False  # add kl_loss_coef * KL(policy || ref) to the loss (GRPO)
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl
+    kl_loss_type: KLType = "low_var_kl"  # kl | abs | mse | low_var_kl
     use_kl_in_reward: bool = False  # subtract kl_coef * KL from the reward before advantages
     kl_coef: float = 0.001
-    kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
+    kl_penalty: KLType = "kl"  # KL estimator for the in-reward penalty
     # dynamic sampling (DAPO)
     filter_groups: bool = True  # keep only groups whose metric varies
-    filter_groups_metric: str = "acc"  # acc | score | seq_reward | seq_final_reward
+    filter_groups_metric: FilterMetric = "acc"  # acc | score | seq_reward | seq_final_reward
     max_num_gen_batches: int = 10  # gen batches per step before giving up (0 = unlimited)
     # reward
     reward_fn: str | None = None  # "path/to/file.py:function_name", or None for the built-in verifiers
@@ -111,7 +114,7 @@ class Config:
     # optimizer (AdamW; verl's default weight decay is 0.01, DAPO's recipe uses 0.1)
     lr: float = 1e-6
     lr_warmup_steps: int = 0  # linear warmup, in optimizer steps
-    lr_scheduler: str = "constant"  # constant | cosine (after warmup)
+    lr_scheduler: Literal["constant", "cosine"] = "constant"  # after warmup
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.999)
@@ -129,7 +132,8 @@ class Config:
     val_top_p: float = 0.7
     val_top_k: int = -1
     val_do_sample: bool = True  # False = greedy validation
-    rollout_engine: str = "auto"  # auto (vllm on CUDA when installed, else torch) | torch (built-in) | vllm
+    # auto: vllm on CUDA when installed, else torch (the built-in engine)
+    rollout_engine: Literal["auto", "torch", "vllm"] = "auto"
     max_num_seqs: int = 256  # sequences an engine decodes at once
     weight_sync_bucket_mb: int = 512  # trainer -> engine weight push, in buckets of this size
     free_cache_engine: bool = True  # the engine frees its KV cache (vLLM: and weights) after each rollout
@@ -163,7 +167,7 @@ class Config:
     sp_size: int = 1  # Ulysses sequence parallel degree: ranks that split each micro-batch's tokens
     ep_size: int = 1  # expert parallelism (MoE): ranks of the dp x sp ranks that split each layer's experts
     # torch.compile the decoder blocks (the built-in engine's too): "auto" = on CUDA GPUs, eager elsewhere
-    compile: bool | str = "auto"
+    compile: bool | Literal["auto"] = "auto"
     # FSDP2's CPU offload: fp32 params, gradients and AdamW states on the host, the optimizer step there too
     param_offload: bool = False
     # AdamW's states (8 bytes a parameter) on the host between optimizer steps, on the GPU for the step itself
@@ -182,9 +186,10 @@ class Config:
     max_consecutive_skips: int = 5  # stop the run after this many non-finite updates in a row
     logp_mismatch_warn: float = 0.05  # warn above this mean |rollout - trainer| logp (stale weights: ~0.1)
     seed: int = 0
-    device: str = "auto"  # auto | cuda | npu | cpu
+    device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
     cpu_threads: int = 0  # torch intra-op threads on CPU (0 = torch's default; 1 is fastest for tiny models)
-    dtype: str = "bfloat16"  # compute dtype on accelerators (master weights and optimizer stay fp32)
+    # compute dtype on accelerators (master weights and optimizer stay fp32)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard | wandb | mlflow
     project_name: str = "nanodapo"
     experiment_name: str = "run"
@@ -221,7 +226,10 @@ def varying_groups(metric, group_ids):
     return ((hi != lo) | (size == 1))[group]
 
 
-def token_kl(logp, ref_logp, kind: str):
+KLType = Literal["kl", "abs", "mse", "low_var_kl"]  # kl_loss_type, kl_penalty
+
+
+def token_kl(logp, ref_logp, kind: KLType):
     """Per-token KL estimate: kl (k1) | abs | mse (k2) | low_var_kl (k3, clamped)."""
     if kind == "kl":
         return logp - ref_logp
@@ -232,10 +240,13 @@ def token_kl(logp, ref_logp, kind: str):
     if kind == "low_var_kl":
         k = (ref_logp - logp).clamp(-20, 20)
         return (k.exp() - k - 1).clamp(-10, 10)
-    raise ValueError(f"unknown KL type {kind!r}; choose one of {KL_TYPES}")
+    raise ValueError(f"unknown KL type {kind!r}; choose one of {typing.get_args(KLType)}")
 
 
-def agg_loss(loss_mat, mask, mode: str, max_response_length: int | None = None, *,
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+def agg_loss(loss_mat, mask, mode: AggMode, max_response_length: int | None = None, *,
              count: float | None = None):
     """Reduce a per-token loss to a scalar (ALGORITHM.md "Aggregation"). count: what the mode divides by,
     tokens (token-mean) or sequences (seq-* modes); None = this batch's own. The update passes the whole
@@ -251,7 +262,7 @@ def agg_loss(loss_mat, mask, mode: str, max_response_length: int | None = None, 
         return seq_sum.sum() / num_seqs
     if mode == "seq-mean-token-sum-norm":  # Dr.GRPO: a constant normaliser, not the response's length
         return seq_sum.sum() / (num_seqs * max_response_length)
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {AGG_MODES}")
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {typing.get_args(AggMode)}")
 
 
 def agg_count(mask, mode: str) -> float:
@@ -455,6 +466,9 @@ def likely_cause(outcomes: dict) -> str:
         return ("filter_groups_metric is constant within groups even where accuracy varies: "
                 "choose another metric")
     return "a mix of solved and failed groups; more gen batches should find varying ones"
+
+
+FilterMetric = Literal["acc", "score", "seq_reward", "seq_final_reward"]  # Trajectories fields, per trajectory
 
 
 def kept_mask(traj: Trajectories, cfg: Config) -> torch.Tensor:

@@ -175,7 +175,7 @@ BAD_INPUTS = [
     ("micro batch", lambda td, tp: {"ppo_micro_batch_size_per_gpu": 3}, "ppo_micro_batch_size_per_gpu=3 must divide"),
     ("clip c", lambda td, tp: {"clip_ratio_c": 0.5}, "clip_ratio_c=0.5 must be > 1"),
     ("overlong buffer", lambda td, tp: {"overlong_buffer_len": 64}, "overlong_buffer_len=64 must be in"),
-    ("agg mode", lambda td, tp: {"loss_agg_mode": "mean"}, "loss_agg_mode='mean'; choose one of"),
+    ("agg mode", lambda td, tp: {"loss_agg_mode": "mean"}, "loss_agg_mode='mean' .*; choose one of token-mean"),
     ("token budget", lambda td, tp: {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 10},
      "ppo_max_token_len_per_gpu=10 x sp_size=1 must be >= max_prompt_length"),
     ("logger missing", lambda td, tp: {"logger": ["jsonl", "mlflow"]}, "logger 'mlflow' is listed but"),
