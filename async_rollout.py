@@ -24,8 +24,8 @@ import reliability
 import reward
 from parallel import NOT_YET
 from reliability import StopFlag, StopRequested, Watchdog
-from rollout import (GenerationStopped, SamplingParams, Trajectories, concat_trajectories, generate_share,
-                     timed)
+from rollout import GenerationStopped, SamplingParams
+from trajectories import Trajectories, concat_trajectories, generate_share, timed
 
 
 class Bridge:
@@ -308,10 +308,11 @@ def serve_rollouts(run, cfg):
         if not run.stop.signalled():
             timing = {}
             try:
+                prompts = [(run.val_prompts if req.val else run.train_prompts)[i] for i in req.indices]
                 traj, counts = generate_share(
-                    run, cfg, [(run.val_prompts if req.val else run.train_prompts)[i] for i in req.indices],
-                    req.params, engine, engines, version=run.engine.weights_version, group_offset=0,
-                    timing=timing, pause=inbox if cfg.partial_rollout else None)
+                    run.engine, run.tokenizer, run.scorer, prompts, req.params, cfg, engine_index=engine,
+                    engines=engines, version=run.engine.weights_version, group_offset=0, timing=timing,
+                    should_stop=run.stop.signalled, pause=inbox if cfg.partial_rollout else None)
                 reply = (traj, counts, timing)
             except (GenerationStopped, reward.ScoringStopped):
                 pass

@@ -27,11 +27,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import parallel
-from config import ConfigError
 from hf import load_config, save_pretrained
 from model import ModelConfig
 
-TRAINER_STATE_KEYS = ("step", "scheduler", "sampler", "rng")  # save_checkpoint adds rng
+TRAINER_STATE_KEYS = ("step", "scheduler", "sampler", "rng")  # write_checkpoint adds rng
 HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "generation_config.json", "vocab.json", "merges.txt")
 
@@ -43,6 +42,12 @@ class CheckpointError(RuntimeError):
     def __init__(self, path: str, reason: str):
         super().__init__(f"checkpoint {path}: {reason}")
         self.path, self.reason = path, reason
+
+
+class CheckpointInputError(ValueError):
+    """What the run was given and cannot use, found before any training: a resume path that is not a usable
+    checkpoint, checkpoints of which none is usable, an out_dir another run holds. Bad input, like a bad
+    config (the run stops with the input exit code)."""
 
 
 # -----------------------------------------------------------------------------
@@ -57,7 +62,7 @@ def lock_out_dir(out_dir: str):
     except OSError:
         f.seek(0)
         holder = f.read().strip() or "another process"
-        raise ConfigError(f"out_dir={out_dir!r} is in use by pid {holder} (another nanodapo run); "
+        raise CheckpointInputError(f"out_dir={out_dir!r} is in use by pid {holder} (another nanodapo run); "
                           "wait for it or stop it, or choose another out_dir") from None
     f.truncate(0)
     f.write(str(os.getpid()))
@@ -68,8 +73,8 @@ def lock_out_dir(out_dir: str):
 # -----------------------------------------------------------------------------
 # save
 
-def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, dims, *, dtype: torch.dtype,
-         model_path: str, keep_last: int = 0):
+def save_step(out_dir: str, step: int, model, optimizer, trainer_state: dict, dims, *, dtype: torch.dtype,
+              model_path: str, keep_last: int = 0):
     """Write out_dir/checkpoints/step_{step} (nothing when it is already complete), then keep only the newest
     keep_last checkpoints (0 = all)."""
     root = os.path.join(out_dir, "checkpoints")
@@ -81,11 +86,11 @@ def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, dims, *
         export_hf(model, tmp, dims, dtype, source_dir=model_path)
         fault_point("checkpoint", step)
 
-    save_checkpoint(path, model, optimizer, trainer_state, dims, export)
+    write_checkpoint(path, model, optimizer, trainer_state, dims, export)
     prune_checkpoints(root, keep_last, dims)
 
 
-def save_checkpoint(path: str, model, optimizer, trainer_state: dict, dims, export=None):
+def write_checkpoint(path: str, model, optimizer, trainer_state: dict, dims, export=None):
     """DCP model and optimizer shards, the trainer state and every rank's RNG, and export(tmp_dir)
     (collective: the HF export), in path + ".tmp", renamed once complete. A failed write removes the .tmp
     directory and raises CheckpointError on every rank; older checkpoints are not touched."""
@@ -194,11 +199,11 @@ def resume_state(resume_from: str, out_dir: str, model, optimizer, dims, log) ->
                 log(f"resumed from {path} at step {state['step']}")
                 return state
         if resume_from != "auto":
-            raise ConfigError(f"cannot resume from {path}: {problem}")
+            raise CheckpointInputError(f"cannot resume from {path}: {problem}")
         log(f"warning: checkpoint {path} is unusable ({problem}); trying the previous one")
         tried.append(f"{path}: {problem}")
     if tried:
-        raise ConfigError("no usable checkpoint to resume from; tried:\n  " + "\n  ".join(tried) +
+        raise CheckpointInputError("no usable checkpoint to resume from; tried:\n  " + "\n  ".join(tried) +
                           f"\nmove the broken ones out of {root}, or start over in a new out_dir")
     return None
 
@@ -215,7 +220,7 @@ def checkpoint_problem(path: str) -> str | None:
     if not os.path.isfile(state_file):
         return "trainer_state.pt is missing"
     try:
-        # written by save_checkpoint: RNG states need pickle
+        # written by write_checkpoint: RNG states need pickle
         state = torch.load(state_file, weights_only=False)
     except Exception as e:
         return f"trainer_state.pt: {_one_line(e)}"

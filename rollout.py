@@ -18,19 +18,16 @@ With top_p < 1 or top_k, vLLM's ("processed_logprobs") are renormalized over the
 built-in engine's are not, so they differ by the log of the kept mass (the training defaults top_p=1,
 top_k=-1 make them equal).
 """
-import contextlib
 import functools
 import importlib.util
 import math
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 import parallel
-import reward
 from hf import copy_hf_tensor, hf_targets, hf_tensors, load_config
 from model import MLP, AttnBatch, pack_sequences
 
@@ -342,7 +339,7 @@ def _buckets(max_num_seqs: int) -> list[int]:
 def cache_positions(max_len: int) -> int:
     """KV-cache positions per row for sequences of up to max_len tokens: the positions a row reads
     (max_len - 1) rounded up to a multiple of 256, so that every span a decode graph attends over is one (the
-    decode step is slower over a span that is not a multiple of 256; BENCHMARKS.md has the figures), plus the
+    decode step is slower over a span that is not a multiple of 256; bench/LOG.md has the figures), plus the
     last slot."""
     return -(-(max_len - 1) // 256) * 256 + 1
 
@@ -639,78 +636,9 @@ def resolve_engine(kind: str, device_type: str) -> str:
 
 
 # -----------------------------------------------------------------------------
-# what a rollout returns: a batch of scored trajectories
+# partial rollout: a generation that newer weights can pause
 
-@dataclass
-class Trajectories:
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    group_ids: torch.Tensor  # [T] index of the prompt group
-    rollout_logp: torch.Tensor  # [T, R] sampled-token log-probs from the engine
-    response_mask: torch.Tensor  # [T, R] 1 on response tokens
-    finish_reasons: list[str]
-    data_sources: list[str]
-    acc: torch.Tensor  # [T] verifier accuracy
-    score: torch.Tensor  # [T] verifier score
-    seq_reward: torch.Tensor  # [T] score + overlong penalty
-    # [T] seq_reward - kl_coef * KL (use_kl_in_reward), else seq_reward
-    seq_final_reward: torch.Tensor | None = None
-    # [T, R] the policy version whose weights sampled each response token (after a partial rollout's weight
-    # update, the rest of a response comes from the newer version; padding: the version asked for); the
-    # colocated loop drops it (every token there is the step's version)
-    versions: torch.Tensor | None = None
-    old_logp: torch.Tensor | None = None
-    ref_logp: torch.Tensor | None = None
-    adv: torch.Tensor | None = None
-    response_texts: list[str] | None = None  # decoded responses, as scored
-    # [T] bool: the built-in verifier parsed an answer (None: a reward_fn)
-    answer_found: torch.Tensor | None = None
-    # router replay: per trajectory [prompt + response - 1, layers, top_k], held by the rank that generated it
-    # (routing_owner) and by the ranks that fetched it to train on it (fetch_routing); None elsewhere
-    routed_experts: list | None = None
-    routing_owner: torch.Tensor | None = None  # [T] the rank that generated each trajectory
-
-    def __len__(self):
-        return len(self.response_ids)
-
-    def select(self, idx: list[int]) -> "Trajectories":
-        """The trajectories at positions idx, in that order (every per-trajectory field; None stays None)."""
-        rows = torch.tensor(idx, dtype=torch.long)
-        picked = {}
-        for name, value in self.__dict__.items():
-            if isinstance(value, torch.Tensor):
-                picked[name] = value[rows]
-            elif isinstance(value, list):
-                picked[name] = [value[i] for i in idx]
-            else:
-                picked[name] = value
-        return Trajectories(**picked)
-
-    def total_tokens(self) -> int:
-        return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids))
-
-
-def concat_trajectories(parts: list[Trajectories], R: int) -> Trajectories:
-    out = {}
-    for k in parts[0].__dict__:
-        vals = [getattr(p, k) for p in parts]
-        if vals[0] is None:
-            out[k] = None
-        elif isinstance(vals[0], list):
-            out[k] = [x for v in vals for x in v]
-        elif vals[0].dim() == 2:
-            out[k] = torch.cat([torch.nn.functional.pad(v, (0, R - v.shape[1])) for v in vals])
-        else:
-            out[k] = torch.cat(vals)
-    return Trajectories(**out)
-
-
-@contextlib.contextmanager
-def timed(name: str, timing: dict):
-    """Add the block's wall time to timing[name]."""
-    t0 = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+CONTINUATION_SEED_STRIDE = 7919  # continuation k samples with seed + 7919 k: a stream apart from the first part's
 
 
 def generate_resumable(engine, prompts: list[list[int]], params: SamplingParams, *, version: int,
@@ -732,7 +660,7 @@ def generate_resumable(engine, prompts: list[list[int]], params: SamplingParams,
     while unfinished := [i for i, c in enumerate(flat) if c.finish_reason == "abort"]:
         version = pause.resume()
         part += 1  # each continuation samples with a seed of its own
-        seed = None if params.seed is None else params.seed + 7919 * part
+        seed = None if params.seed is None else params.seed + CONTINUATION_SEED_STRIDE * part
         more = engine.generate([prompt_of[i] + flat[i].token_ids for i in unfinished],
                                SamplingParams(**{**params.__dict__, "n": 1, "seed": seed}), version=version,
                                should_stop=should_stop, should_pause=pause.requested,
@@ -746,59 +674,3 @@ def generate_resumable(engine, prompts: list[list[int]], params: SamplingParams,
             versions[i] += [version] * len(c.token_ids)
     n = params.n
     return [flat[k * n:(k + 1) * n] for k in range(len(prompts))], versions
-
-
-def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: SamplingParams, cfg, *,
-                       group_offset: int, version: int, timing: dict, should_stop=None,
-                       pause=None) -> tuple[Trajectories, dict]:
-    """Generate params.n responses per prompt on this engine and score them -> (Trajectories, reward counts).
-    should_stop() True (a stop signal) abandons both: GenerationStopped or reward.ScoringStopped. pause:
-    partial rollout (generate_resumable)."""
-    with timed("gen", timing):
-        outputs, token_versions = generate_resumable(engine, [p["prompt_ids"] for p in prompts], params,
-                                                     version=version, should_stop=should_stop, pause=pause)
-    comps = [(p, c) for p, cs in zip(prompts, outputs) for c in cs]
-    with timed("reward", timing):
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in comps]
-        eos = tokenizer.special.get("eos_token")
-        # a trailing EOS is not the answer
-        texts = [t[:-len(eos)] if eos and t.endswith(eos) else t for t in texts]
-        results, counts = scorer.score([(p["data_source"], t, p["ground_truth"], p["extra_info"])
-                                        for (p, _), t in zip(comps, texts)], should_stop=should_stop)
-    rollout_logp = torch.zeros(len(comps), cfg.max_response_length)
-    mask = torch.zeros_like(rollout_logp)
-    versions = torch.full(rollout_logp.shape, version, dtype=torch.int32)
-    for i, (_, c) in enumerate(comps):
-        rollout_logp[i, :len(c.token_ids)] = torch.tensor(c.logprobs) if c.logprobs is not None else math.nan
-        mask[i, :len(c.token_ids)] = 1
-        if token_versions is not None:
-            versions[i, :len(c.token_ids)] = torch.tensor(token_versions[i], dtype=torch.int32)
-    score = torch.tensor([r["score"] for r in results], dtype=torch.float32)
-    answer_found = None  # a custom reward_fn need not say whether it found an answer
-    if cfg.reward_fn is None:
-        answer_found = torch.tensor([r["pred"] is not None for r in results])
-    overlong = [reward.overlong_penalty(len(c.token_ids), cfg.max_response_length, cfg.overlong_buffer_len,
-                                        cfg.overlong_penalty_factor) if cfg.overlong_buffer else 0.0
-                for _, c in comps]
-    traj = Trajectories(
-        prompt_ids=[p["prompt_ids"] for p, _ in comps], response_ids=[c.token_ids for _, c in comps],
-        group_ids=torch.arange(len(prompts)).repeat_interleave(params.n) + group_offset,
-        rollout_logp=rollout_logp, response_mask=mask, finish_reasons=[c.finish_reason for _, c in comps],
-        data_sources=[p["data_source"] for p, _ in comps],
-        acc=torch.tensor([float(r["acc"]) for r in results]), score=score,
-        seq_reward=score + torch.tensor(overlong), response_texts=texts,
-        versions=versions, answer_found=answer_found,
-        routed_experts=[c.routed_experts for _, c in comps] if cfg.router_replay else None)
-    return traj, counts
-
-
-def generate_share(run, cfg, prompts: list[dict], params: SamplingParams, engine: int,
-                   engines: int, *, version: int, group_offset: int, timing: dict,
-                   pause=None) -> tuple[Trajectories, dict]:
-    """Engine `engine` of `engines` generates and scores its slice of the prompts, seeded apart from the
-    others; a stop signal abandons it (GenerationStopped, reward.ScoringStopped); pause: partial rollout."""
-    _, lo, hi = engine_share(len(prompts), engines, 1, engine)
-    params = SamplingParams(**{**params.__dict__, "seed": params.seed + 100003 * engine})
-    return generate_and_score(run.engine, run.tokenizer, run.scorer, prompts[lo:hi], params, cfg,
-                              group_offset=group_offset + lo, version=version, timing=timing,
-                              should_stop=run.stop.signalled, pause=pause)

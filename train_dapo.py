@@ -43,15 +43,15 @@ import parallel
 import plan
 import reliability
 import reward
-from checkpoint import CheckpointError, fault_point
+from checkpoint import CheckpointError, CheckpointInputError, fault_point
 from config import ConfigError, check_config, parse_args
 from data import Tokenizer
 from hf import from_pretrained, load_config
 from model import IGNORE_INDEX, load_balancing_loss, pack_sequences
 from reliability import StopFlag, StopRequested, report_failure
 from async_rollout import Bridge, RolloutQueue, gen_batches_ahead, serve_rollouts
-from rollout import (GenerationStopped, SamplingParams, TorchEngine, Trajectories, VLLMEngine,
-                     concat_trajectories, engine_results, generate_share, resolve_engine, timed)
+from rollout import GenerationStopped, SamplingParams, TorchEngine, VLLMEngine, engine_results, resolve_engine
+from trajectories import Trajectories, concat_trajectories, generate_share, timed
 
 # -----------------------------------------------------------------------------
 # config: every knob, verl's names (prompts are counted globally, over all ranks)
@@ -103,7 +103,7 @@ class Config:
     # dynamic sampling (DAPO)
     filter_groups: bool = True  # keep only groups whose metric varies
     filter_groups_metric: FilterMetric = "acc"  # acc | score | seq_reward | seq_final_reward
-    max_num_gen_batches: int = 10  # gen batches per step before giving up (0 = unlimited)
+    max_num_gen_batches: int = 10  # gen batches per step before giving up (<= 0 = unlimited, as in verl)
     # reward
     reward_fn: str | None = None  # "path/to/file.py:function_name", or None for the built-in verifiers
     reward_num_workers: int = 2  # scoring processes (0 = score inline, no timeout)
@@ -170,6 +170,7 @@ class Config:
     compile: bool | Literal["auto"] = "auto"
     # FSDP2's CPU offload: fp32 params, gradients and AdamW states on the host, the optimizer step there too
     param_offload: bool = False
+    ref_param_offload: bool | None = None  # reference model weights on the host (None: as param_offload)
     # AdamW's states (8 bytes a parameter) on the host between optimizer steps, on the GPU for the step itself
     optimizer_offload: bool = False
     # schedule
@@ -359,9 +360,10 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
     with timed("wake_sleep", timing):
         engine.wake_up(["kv_cache"])
     try:
-        traj, counts = generate_share(run, cfg, prompts, params, dims.rank // run.gen_tp,
-                                      dims.world_size // run.gen_tp, version=version,
-                                      group_offset=group_offset, timing=timing)
+        traj, counts = generate_share(run.engine, run.tokenizer, run.scorer, prompts, params, cfg,
+                                      engine_index=dims.rank // run.gen_tp, engines=dims.world_size // run.gen_tp,
+                                      version=version, group_offset=group_offset, timing=timing,
+                                      should_stop=run.stop.signalled)
     except (GenerationStopped, reward.ScoringStopped):
         traj = counts = None  # this rank's share is dropped; the agreement below stops every rank
     if cfg.free_cache_engine:  # else it stays awake: no wake or sleep next time, the pushes only
@@ -386,20 +388,17 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
     return out, {k: sum(c[k] for _, c in parts) for k in parts[0][1]}
 
 
+GEN_BATCH_SEEDS = 1000  # gen batch r of step s samples with seed + 1000 s + r: distinct below 1000 gen batches a step
+
+
 def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dict, counts: dict):
     """Steps 1-3, one gen batch after another: sample gen_batch_size prompts, generate n responses each, score
-    them (and with use_kl_in_reward, subtract the KL penalty).
+    them (and with use_kl_in_reward, subtract the KL penalty). Colocated, this rank's engine generates them
+    now; in asynchronous mode they are taken from the generator ranks, which were asked ahead.
     Yields one gen batch's Trajectories at a time."""
+    next_gen_batch = colocated_gen_batch if run.rollouts is None else asked_gen_batch
     for r in itertools.count(1):
-        if run.rollouts is None:
-            prompts = [run.train_prompts[i] for i in run.sampler.next_indices(cfg.gen_batch_size)]
-            traj, c = rollout(run, cfg, prompts, train_params(cfg, run.tokenizer, cfg.seed + 1000 * step + r),
-                              version=version, group_offset=r * cfg.gen_batch_size, timing=timing)
-        else:  # the oldest gen batch asked ahead, or one asked now
-            if not run.rollouts.pending:
-                run.rollouts.ask_gen_batch(version, timing)
-            traj, c = run.rollouts.take(run.rollouts.pending[0], timing)
-            traj.group_ids += r * cfg.gen_batch_size
+        traj, c = next_gen_batch(run, cfg, step=step, r=r, version=version, timing=timing)
         fault_point("gen", step)
         for k, v in c.items():
             counts[k] = counts.get(k, 0) + v
@@ -411,6 +410,25 @@ def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dic
             kl = token_kl(traj.old_logp, traj.ref_logp, cfg.kl_penalty)
             traj.seq_final_reward = traj.seq_reward - cfg.kl_coef * (kl * traj.response_mask).sum(-1)
         yield traj
+
+
+def colocated_gen_batch(run: "Run", cfg: Config, *, step: int, r: int, version: int,
+                        timing: dict) -> tuple[Trajectories, dict]:
+    """Gen batch r of the step, generated now by the engines on the training ranks."""
+    prompts = [run.train_prompts[i] for i in run.sampler.next_indices(cfg.gen_batch_size)]
+    params = train_params(cfg, run.tokenizer, cfg.seed + GEN_BATCH_SEEDS * step + r)
+    return rollout(run, cfg, prompts, params, version=version, group_offset=r * cfg.gen_batch_size,
+                   timing=timing)
+
+
+def asked_gen_batch(run: "Run", cfg: Config, *, step: int, r: int, version: int,
+                    timing: dict) -> tuple[Trajectories, dict]:
+    """Asynchronous mode: the oldest gen batch asked of the generator ranks (asked now if none is pending)."""
+    if not run.rollouts.pending:
+        run.rollouts.ask_gen_batch(version, timing)
+    traj, counts = run.rollouts.take(run.rollouts.pending[0], timing)
+    traj.group_ids += r * cfg.gen_batch_size
+    return traj, counts
 
 
 # -----------------------------------------------------------------------------
@@ -770,82 +788,43 @@ def freeze_gc_heap():
 
 
 def fit(cfg: Config):
-    """Set up, resume, then train step by step until total steps or a stop signal -> the policy."""
+    """Set up, resume, then train step by step until total steps or a stop signal -> the policy. Around each
+    step (train_step): stop signals, the checks of its update, validation, metrics and checkpoints."""
     check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or device
     run = setup(cfg)
     if run.dims.is_generator:
         return serve_rollouts(run, cfg)
-    model, optimizer, scheduler, dims, log = run.model, run.optimizer, run.scheduler, run.dims, run.log
+    dims, log = run.dims, run.log
     step, val_pending = restore(cfg, run)
-    run.rollouts = None  # async mode: gen batches asked of the generator ranks
-    if cfg.rollout_gpus:
+    first_step = step
+    if cfg.rollout_gpus:  # async mode: gen batches asked of the generator ranks
         run.rollouts = RolloutQueue(run, cfg, step, train_params(cfg, run.tokenizer, seed=None))
     logger = Logger(cfg, resumed_step=step) if dims.is_main else None
     run.stop = stop = StopFlag(log, on_force_exit=run.scorer.kill)
     bar = tqdm(total=run.total_steps, initial=step, desc="steps", dynamic_ncols=True,
                disable=not (dims.is_main and sys.stderr.isatty()))
-    if step >= run.total_steps:
-        log(f"nothing to train: the checkpoint resumed is at step {step} and this run has {run.total_steps} "
-            "steps (total_training_steps, or total_epochs x steps per epoch); raise them to train further")
-    else:
-        log(f"training {run.total_steps} steps on {dims.world_size} x {dims.device.type}; "
-            f"{json.dumps(plan.batch_arithmetic(cfg, dims.world_size, len(run.train_prompts)))}")
+    announce(run, cfg, step)
     version = step  # the policy's weight version: an engine holding another refuses to generate
     stopping = not validate_at_start(run, cfg, logger, step, val_pending)
-    consecutive_skips, heap_frozen = 0, False
+    consecutive_skips = 0
     while step < run.total_steps and not stopping:
         t_step = time.perf_counter()
         timing = dict.fromkeys(("gen", "reward", "sync", "wake_sleep", "old_log_prob", "ref", "update_actor")
                                + (("gen_wait", "weight_transfer") if cfg.rollout_gpus else ()), 0.0)
-        counts, metrics = {}, {}
         at_step_start = sampler_state(run), parallel.rng_state(dims.device)
         graphs_before = parallel.compiled_graphs()
         try:
-            # 1-4. gen batches (sample, generate, score) until train_batch_size groups have reward variance
-            batch, generated, num_gen_batches = dynamic_sampling(
-                gen_batches(run, cfg, step=step, version=version, timing=timing, counts=counts), cfg,
-                progress=functools.partial(report_refill, cfg=cfg, bar=bar, log=log))
-            if run.rollouts is not None:  # the generators make the next gen batches while this step trains
-                while len(run.rollouts.pending) < gen_batches_ahead(cfg, step + 1, run.total_steps):
-                    run.rollouts.ask_gen_batch(version, timing)
-                metrics.update(async_metrics(run, batch, version, cfg))
-
-            # 5. advantages from the (final) scalar reward, per group
-            batch.adv = compute_grpo_advantages(batch.seq_final_reward, batch.group_ids, cfg.norm_adv_by_std)
-
-            # 6. old (unless the update's forward gives them) and reference log-probs; optional token
-            # rejection
-            metrics.update(logprobs_for_update(run, cfg, batch, timing))
-            if stop.agreed(dims):  # the last point where the step can be dropped: the update changes weights
-                raise StopRequested
+            batch, metrics = train_step(run, cfg, step, version, timing,
+                                        progress=functools.partial(report_refill, cfg=cfg, bar=bar, log=log))
         except StopRequested:  # leave as if this step never began: the resumed run draws the same prompts
             abandon_step(cfg, run, step, at_step_start)
-            log(f"stopped by signal during step {step + 1}, which is dropped (a resumed run starts it "
-                f"again); checkpoint of step {step} written {stop.seconds_since():.1f} s after the signal")
             break
-
-        # 7. update
-        with timed("update_actor", timing):
-            metrics.update(update_policy(model, optimizer, scheduler, batch, cfg, dims))
-        if run.optimizer_states is not None:  # optimizer_offload's share of the update
-            metrics["perf/optimizer_offload_s"] = run.optimizer_states.pop_seconds()
         version += 1
         step += 1
         fault_point("update", step)
-        all_skipped = metrics["actor/skipped_updates"] == plan.optimizer_steps_per_step(cfg)
-        consecutive_skips = consecutive_skips + 1 if all_skipped else 0
-        if consecutive_skips >= cfg.max_consecutive_skips:
-            raise RunError(f"{consecutive_skips} steps in a row had a non-finite loss or gradient norm and "
-                           f"were skipped (max_consecutive_skips={cfg.max_consecutive_skips}); lower lr, "
-                           "check grad_clip and the data, or resume from an earlier checkpoint")
-        if float(metrics.get("rollout/logp_mismatch", 0.0)) > cfg.logp_mismatch_warn and not cfg.rollout_gpus:
-            log(f"warning: rollout/logp_mismatch={float(metrics['rollout/logp_mismatch']):.3g} > "
-                f"logp_mismatch_warn={cfg.logp_mismatch_warn}: engine and trainer disagree on log-probs "
-                "(precision, weights?)")
+        consecutive_skips = check_update(cfg, metrics, consecutive_skips, log)
 
-        # 8. metrics, validation, checkpoint
-        metrics.update(rollout_metrics(generated, num_gen_batches, counts, cfg))
-        metrics["sampler/epoch"] = run.sampler.epoch
+        # 8. validation, metrics, checkpoint
         last = step == run.total_steps
         val_pending = False
         if run.val_prompts and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or last):
@@ -869,19 +848,89 @@ def fit(cfg: Config):
             cut = " (its validation was cut short: the resumed run runs it first)" if val_pending else ""
             log(f"stopped by signal after step {step}{cut}; its checkpoint was written "
                 f"{stop.seconds_since():.1f} s after the signal; resume with resume='auto'")
-        if not heap_frozen:  # after the first step: compilation and the engine's warm-up are done
-            del batch, generated  # this step's data is not run-long
+        if step == first_step + 1:  # compilation and the engine's warm-up are done
+            del batch  # this step's data is not run-long
             freeze_gc_heap()
-            heap_frozen = True
     bar.close()
+    close_run(run)
+    return run.model
+
+
+def train_step(run: Run, cfg: Config, step: int, version: int, timing: dict,
+               progress=None) -> tuple[Trajectories, dict]:
+    """Steps 1-7 of training step step + 1, in order -> (the batch trained on, the step's metrics). A stop
+    signal before the update raises StopRequested, the weights untouched. timing: each phase's seconds are
+    added to it; progress: dynamic sampling's report after each gen batch."""
+    counts, metrics = {}, {}
+    # 1-4. gen batches (sample, generate, score) until train_batch_size groups have reward variance
+    batch, generated, num_gen_batches = dynamic_sampling(
+        gen_batches(run, cfg, step=step, version=version, timing=timing, counts=counts), cfg, progress)
+    if run.rollouts is not None:  # async mode: the generators make the next gen batches while this one trains
+        metrics.update(ask_ahead(run, cfg, batch, step, version, timing))
+
+    # 5. advantages from the (final) scalar reward, per group
+    batch.adv = compute_grpo_advantages(batch.seq_final_reward, batch.group_ids, cfg.norm_adv_by_std)
+
+    # 6. old (unless the update's forward gives them) and reference log-probs; optional token rejection
+    metrics.update(logprobs_for_update(run, cfg, batch, timing))
+    if run.stop.agreed(run.dims):  # the last point where the step can be dropped: the update changes weights
+        raise StopRequested
+
+    # 7. update
+    with timed("update_actor", timing):
+        metrics.update(update_policy(run.model, run.optimizer, run.scheduler, batch, cfg, run.dims))
+    if run.optimizer_states is not None:  # optimizer_offload's share of the update
+        metrics["perf/optimizer_offload_s"] = run.optimizer_states.pop_seconds()
+    metrics.update(rollout_metrics(generated, num_gen_batches, counts, cfg))
+    metrics["sampler/epoch"] = run.sampler.epoch
+    return batch, metrics
+
+
+def announce(run: Run, cfg: Config, step: int):
+    """The run's first line: what it will train, or why there is nothing to train."""
+    if step >= run.total_steps:
+        run.log(f"nothing to train: the checkpoint resumed is at step {step} and this run has "
+                f"{run.total_steps} steps (total_training_steps, or total_epochs x steps per epoch); raise them "
+                "to train further")
+    else:
+        run.log(f"training {run.total_steps} steps on {run.dims.world_size} x {run.dims.device.type}; "
+                f"{json.dumps(plan.batch_arithmetic(cfg, run.dims.world_size, len(run.train_prompts)))}")
+
+
+def ask_ahead(run: Run, cfg: Config, batch: Trajectories, step: int, version: int, timing: dict) -> dict:
+    """Asynchronous mode, after dynamic sampling: ask the generator ranks for the gen batches the next steps
+    will take, so that they generate while this step trains -> the batch's staleness metrics."""
+    while len(run.rollouts.pending) < gen_batches_ahead(cfg, step + 1, run.total_steps):
+        run.rollouts.ask_gen_batch(version, timing)
+    return async_metrics(run, batch, version, cfg)
+
+
+def check_update(cfg: Config, metrics: dict, consecutive_skips: int, log) -> int:
+    """After an update: RunError after max_consecutive_skips steps in a row whose every optimizer step was
+    skipped (non-finite), a warning where engine and trainer disagree on log-probs -> the new count of skips."""
+    all_skipped = metrics["actor/skipped_updates"] == plan.optimizer_steps_per_step(cfg)
+    consecutive_skips = consecutive_skips + 1 if all_skipped else 0
+    if consecutive_skips >= cfg.max_consecutive_skips:
+        raise RunError(f"{consecutive_skips} steps in a row had a non-finite loss or gradient norm and "
+                       f"were skipped (max_consecutive_skips={cfg.max_consecutive_skips}); lower lr, "
+                       "check grad_clip and the data, or resume from an earlier checkpoint")
+    if float(metrics.get("rollout/logp_mismatch", 0.0)) > cfg.logp_mismatch_warn and not cfg.rollout_gpus:
+        log(f"warning: rollout/logp_mismatch={float(metrics['rollout/logp_mismatch']):.3g} > "
+            f"logp_mismatch_warn={cfg.logp_mismatch_warn}: engine and trainer disagree on log-probs "
+            "(precision, weights?)")
+    return consecutive_skips
+
+
+def close_run(run: Run):
+    """What the run holds open, in order: the generators' queue, the reward workers, the signal handlers,
+    the out_dir lock, the process group."""
     if run.rollouts is not None:
         run.rollouts.close()
     run.scorer.close()
-    stop.restore()
+    run.stop.restore()
     if run.out_dir_lock is not None:
         run.out_dir_lock.close()
     parallel.shutdown()
-    return model
 
 
 def validate_at_start(run: Run, cfg: Config, logger, step: int, val_pending: bool) -> bool:
@@ -929,6 +978,8 @@ def abandon_step(cfg: Config, run: Run, step: int, at_step_start: tuple):
     run.sampler.load_state_dict(at_step_start[0])
     parallel.set_rng_state(at_step_start[1], run.dims.device)
     save_checkpoint(cfg, run, step)
+    run.log(f"stopped by signal during step {step + 1}, which is dropped (a resumed run starts it again); "
+            f"checkpoint of step {step} written {run.stop.seconds_since():.1f} s after the signal")
 
 
 def step_timing(timing: dict, t_step: float, colocated: bool) -> dict:
@@ -950,8 +1001,8 @@ def perf_metrics(batch: Trajectories, step_s: float, dims, cfg: Config) -> dict:
 
 
 def setup(cfg: Config) -> Run:
-    """Devices, data, reward, rollout engine, policy (+ reference), optimizer:
-    cheap things that can fail first."""
+    """Devices, data, reward, rollout engine, policy (+ reference), optimizer: cheap things that can fail
+    first. A generator rank (async mode) gets its engine and no policy."""
     # async mode: the other trainer ranks wait in a collective while rank 0's watchdog waits on a generator
     timeout_s = cfg.watchdog_timeout_s + 300 if cfg.rollout_gpus else None
     dims = parallel.init_distributed(cfg.device, cfg.tp_size, cfg.sp_size, cfg.ep_size, cfg.rollout_gpus,
@@ -983,38 +1034,82 @@ def setup(cfg: Config) -> Run:
     scoring = not cfg.rollout_gpus or dims.is_generator  # async mode: trainer ranks score nothing
     scorer = reward.RewardScorer(cfg.reward_fn, num_workers=cfg.reward_num_workers if scoring else 0,
                                  timeout_s=cfg.reward_timeout)
-    if dims.is_generator:  # async mode: an engine with its own copy of the weights; no policy, no optimizer
-        if engine_kind == "vllm":
-            engine = make_vllm_engine(cfg, cfg.rollout_gpus // cfg.gen_tp, log)
-            engine.wake_up()  # a generator's engine never sleeps
-        else:
-            engine = TorchEngine(from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device),
-                                 max_num_seqs=cfg.max_num_seqs, shares_weights=False, compile=compile_blocks)
-        return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
-                   sampler=sampler, scorer=scorer, engine=engine, gen_tp=cfg.gen_tp,
-                   compute_dtype=compute_dtype, log=log)
+    run = Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
+              sampler=sampler, scorer=scorer, engine=None, gen_tp=cfg.gen_tp, compute_dtype=compute_dtype,
+              log=log, out_dir_lock=out_dir_lock)
+    if dims.is_generator:
+        run.engine = make_engine(cfg, dims, engine_kind, compute_dtype, compile_blocks, log)
+        return run
 
     if cfg.param_offload or cfg.optimizer_offload:  # before anything is loaded
         plan.check_host_memory(cfg, load_config(cfg.model_path), dims.world_size,
                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parallel.host_memory_gib(),
                                engine_kind)
+    colocated = not cfg.rollout_gpus
+    # colocated vLLM comes before the trainer's tensors: it sizes its KV cache from the memory free now
+    if colocated and engine_kind == "vllm":
+        run.engine = make_engine(cfg, dims, engine_kind, compute_dtype, compile_blocks, log)
+    run.model, run.ref_model = build_policy(cfg, dims, engine_kind, compute_dtype, compile_blocks, log)
+    if colocated and engine_kind == "torch":
+        run.engine = make_engine(cfg, dims, engine_kind, compute_dtype, compile_blocks, log, policy=run.model)
+        run.gen_tp = 1
+    if not colocated:
+        log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s), {cfg.rollout_gpus // cfg.gen_tp} "
+            f"{engine_kind} engine(s), max_staleness={cfg.max_staleness}, "
+            f"partial_rollout={cfg.partial_rollout}, tis_imp_ratio_cap={tis_cap(cfg)}")
+    run.optimizer, run.optimizer_states = build_optimizer(cfg, run.model, dims, log)
+    steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
+    run.total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
+    run.scheduler = make_scheduler(run.optimizer, cfg, run.total_steps * plan.optimizer_steps_per_step(cfg))
+    return run
 
-    # the vLLM engine comes before the trainer's tensors: it sizes its KV cache from the memory free now, then
-    # sleeps (weights and cache released) until the first rollout
-    engine, gen_tp = None, cfg.gen_tp
-    if engine_kind == "vllm" and not cfg.rollout_gpus:
-        engine = make_vllm_engine(cfg, dims.world_size // gen_tp, log)
 
-    # the policy: fp32 master weights. A CPU process: a plain fp32 module.
-    # Else TP / SP / FSDP2 shards (one GPU is a mesh of one) computing in bf16; a rollout engine then holds
-    # its own weights, pushed before every rollout.
-    shard = None  # how from_pretrained wraps each module it builds
-    if dims.sharded:
-        shard = functools.partial(parallel.parallelize, dims=dims, param_dtype=compute_dtype,
-                                  offload=cfg.param_offload, compile=compile_blocks)
-    # FSDP's CPU offload wants the shards materialized on the host
-    policy_device = torch.device("cpu") if cfg.param_offload else dims.device
-    model = from_pretrained(cfg.model_path, dtype=torch.float32, device=policy_device, parallelize=shard)
+def make_engine(cfg: Config, dims, kind: str, compute_dtype: torch.dtype, compile_blocks: bool, log,
+                policy=None) -> TorchEngine | VLLMEngine:
+    """This rank's rollout engine, in one of three topologies:
+    - a generator rank (async mode): its share of a vLLM engine of gen_tp generator ranks, or the built-in
+      engine on a copy of its own; it never sleeps;
+    - colocated vLLM: this rank's share of one of world_size / gen_tp engines, asleep until the first rollout;
+    - the built-in engine on a training rank: the policy's own module in a CPU process (nothing to push),
+      else a compute_dtype copy that the trainer pushes its weights into."""
+    if kind == "vllm":
+        ranks = cfg.rollout_gpus if dims.is_generator else dims.world_size
+        engine = make_vllm_engine(cfg, ranks // cfg.gen_tp, log)
+        if dims.is_generator:
+            engine.wake_up()
+        return engine
+    shares_weights = policy is not None and not dims.sharded
+    if shares_weights:
+        model = policy
+    else:
+        model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device)
+    # check_config allows compile=True only where dims.sharded: never on the trainer's own module
+    engine = TorchEngine(model, max_num_seqs=cfg.max_num_seqs, shares_weights=shares_weights,
+                         compile=compile_blocks)
+    features = ["built-in"]
+    if engine.use_cuda_graph:
+        features.append("CUDA graphs")
+    if compile_blocks:
+        features.append("compiled blocks")
+    log(f"rollout engine: torch ({', '.join(features)})")
+    return engine
+
+
+def build_policy(cfg: Config, dims, engine_kind: str, compute_dtype: torch.dtype, compile_blocks: bool,
+                 log) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The policy with its activation checkpointing, and the reference model when a KL term is on
+    -> (policy, reference or None). fp32 master weights: a plain fp32 module in a CPU process, else TP / SP /
+    FSDP2 shards (one GPU is a mesh of one) computing in compute_dtype; param_offload (ref_param_offload for
+    the reference) keeps them on the host."""
+    def build(offload: bool):  # FSDP's CPU offload wants the shards materialized on the host
+        shard = None  # how from_pretrained wraps each module it builds
+        if dims.sharded:
+            shard = functools.partial(parallel.parallelize, dims=dims, param_dtype=compute_dtype,
+                                      offload=offload, compile=compile_blocks)
+        device = torch.device("cpu") if offload else dims.device
+        return from_pretrained(cfg.model_path, dtype=torch.float32, device=device, parallelize=shard)
+
+    model = build(cfg.param_offload)
     if compile_blocks:
         log(f"torch.compile: the policy's decoder blocks (compile={cfg.compile!r}), shapes dynamic from the "
             "start")
@@ -1030,27 +1125,13 @@ def setup(cfg: Config) -> Run:
     model.gradient_checkpointing = ckpt
     ref_model = None
     if cfg.use_kl_loss or cfg.use_kl_in_reward:
-        ref_model = from_pretrained(cfg.model_path, dtype=torch.float32, device=policy_device,
-                                    parallelize=shard)
+        ref_model = build(cfg.param_offload if cfg.ref_param_offload is None else cfg.ref_param_offload)
         ref_model.eval().requires_grad_(False)
-    if cfg.rollout_gpus:
-        log(f"asynchronous rollout: {cfg.rollout_gpus} generator rank(s), {cfg.rollout_gpus // gen_tp} "
-            f"{engine_kind} engine(s), max_staleness={cfg.max_staleness}, "
-            f"partial_rollout={cfg.partial_rollout}, tis_imp_ratio_cap={tis_cap(cfg)}")
-    elif engine is None:  # the built-in engine: the trainer's own module on a CPU, else a full bf16 copy
-        gen_model = model
-        if dims.sharded:
-            gen_model = from_pretrained(cfg.model_path, dtype=compute_dtype, device=dims.device)
-        # check_config allows compile=True only where dims.sharded: never on the trainer's own module
-        engine = TorchEngine(gen_model, max_num_seqs=cfg.max_num_seqs, shares_weights=not dims.sharded,
-                             compile=compile_blocks)
-        gen_tp = 1
-        features = ["built-in"]
-        if engine.use_cuda_graph:
-            features.append("CUDA graphs")
-        if compile_blocks:
-            features.append("compiled blocks")
-        log(f"rollout engine: torch ({', '.join(features)})")
+    return model, ref_model
+
+
+def build_optimizer(cfg: Config, model, dims, log):
+    """AdamW over the policy's parameters -> (optimizer, the optimizer_offload mover or None)."""
     # no full-size temporaries
     fused = dims.device.type == "cuda" and not cfg.param_offload
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
@@ -1060,14 +1141,7 @@ def setup(cfg: Config) -> Run:
     if cfg.optimizer_offload and not cfg.param_offload:  # param_offload keeps the states on the host anyway
         optimizer_states = parallel.OptimizerStateOffload(optimizer, pin=dims.device.type != "cpu")
         log("optimizer_offload: AdamW's states on the host between optimizer steps, on the GPU for each step")
-    steps_per_epoch = math.ceil(len(train_prompts) / cfg.train_batch_size)
-    total_steps = cfg.total_training_steps or steps_per_epoch * cfg.total_epochs
-    scheduler = make_scheduler(optimizer, cfg, total_steps * plan.optimizer_steps_per_step(cfg))
-    return Run(dims=dims, tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts,
-               sampler=sampler, scorer=scorer, engine=engine, gen_tp=gen_tp, compute_dtype=compute_dtype,
-               log=log, model=model, ref_model=ref_model, optimizer=optimizer,
-               optimizer_states=optimizer_states, scheduler=scheduler,
-               total_steps=total_steps, out_dir_lock=out_dir_lock)
+    return optimizer, optimizer_states
 
 
 def make_vllm_engine(cfg: Config, engines: int, log) -> VLLMEngine:
@@ -1131,17 +1205,20 @@ def save_checkpoint(cfg: Config, run: Run, step: int, val_pending: bool = False)
              "val_pending": val_pending}
     t0 = time.perf_counter()
     with optimizer_states_on_device(run):
-        checkpoint.save(cfg.out_dir, step, run.model, run.optimizer, state, run.dims, dtype=run.compute_dtype,
-                        model_path=cfg.model_path, keep_last=cfg.keep_last)
+        checkpoint.save_step(cfg.out_dir, step, run.model, run.optimizer, state, run.dims,
+                             dtype=run.compute_dtype, model_path=cfg.model_path, keep_last=cfg.keep_last)
     # what a stop signal needs on top of the step in flight: a launcher's grace period must cover it
     run.log(f"checkpoint step_{step} written in {time.perf_counter() - t0:.1f} s")
+
+
+VAL_SEEDS = 7919  # validation after step s samples with seed + 7919 (s + 1): apart from the gen batches' seeds
 
 
 def validate(run: Run, cfg: Config, version: int, step: int) -> dict:
     """Generate for the validation prompts (val_n each, val sampling knobs) and score: mean@val_n accuracy."""
     params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature if cfg.val_do_sample else 0.0,
                             top_p=cfg.val_top_p, top_k=cfg.val_top_k, max_tokens=cfg.max_response_length,
-                            stop_token_ids=run.tokenizer.eos_token_ids, seed=cfg.seed + 7919 * (step + 1),
+                            stop_token_ids=run.tokenizer.eos_token_ids, seed=cfg.seed + VAL_SEEDS * (step + 1),
                             logprobs=False)  # validation scores answers only; vLLM's log-probs cost speed
     timing = {}
     if run.rollouts is None:
@@ -1316,7 +1393,7 @@ class Logger:
 
 # exit codes: 0 done (or stopped by a signal after a checkpoint), reliability.EXIT_BAD_INPUT,
 # reliability.EXIT_RUN_FAILED, 128 + N a second signal N
-BAD_INPUT = (ConfigError, data.DataError, reward.RewardError, FileNotFoundError)
+BAD_INPUT = (ConfigError, CheckpointInputError, data.DataError, reward.RewardError, FileNotFoundError)
 RUN_FAILED = (RunError, CheckpointError, reliability.WaitTimeout)
 
 

@@ -33,7 +33,7 @@ p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--tiny", action="store_true", help="tiny model on the CPU: a smoke test of this script")
 p.add_argument("--vllm-gpu-mem", type=float, default=0.5, help="VLLMEngine gpu_memory_utilization (trainer default)")
 p.add_argument("--vllm-dir", default="/tmp/nanodapo_sync_model", help="model directory for the vLLM engine (written once)")
-p.add_argument("--fake-vllm", action="store_true", help="CPU test of the vLLM path with tests/fake_vllm.py")
+p.add_argument("--fake-vllm", action="store_true", help="CPU test of the vLLM path with tests/helpers/fake_vllm.py")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 if args.tiny:
@@ -78,9 +78,9 @@ def timed_all_ranks(fn) -> float:
 
 
 def install_fake_vllm():
-    """CPU runs of the vLLM path: `import vllm` gets tests/fake_vllm.py's stand-ins, as in the unit tests."""
+    """CPU runs of the vLLM path: `import vllm` gets tests/helpers/fake_vllm.py's stand-ins, as in the unit tests."""
     import pytest  # the fake installs itself with pytest's monkeypatch; a test-only dependency, as the fake is
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
     import fake_vllm
     fake_vllm.install(pytest.MonkeyPatch())
 

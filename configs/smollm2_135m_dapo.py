@@ -19,7 +19,7 @@
 # Held-out problems are never training problems; a held-out a + b can be a training b + a.
 # Expected (measured 2026-12-02, one H200 shared with five other runs, vLLM engine, --seed=1): val/acc 0.068 at
 # step 0 -> 0.52 at step 20 -> 0.77 at step 80, in 6 minutes of steps with vLLM eager (README "A real pretrained
-# model"). CUDA graphs, the default since, took 35% off steps 2-12 on an H200 of its own (BENCHMARKS.md).
+# model"). CUDA graphs, the default since, took 35% off steps 2-12 on an H200 of its own (bench/LOG.md, 2026-12-02).
 model_path = "models/smollm2-135m-instruct"
 train_files = ["data/fewshot_arith/train.parquet"]
 val_files = ["data/fewshot_arith/val.parquet"]

@@ -1,9 +1,10 @@
 """Shared test helpers. Everything is built in the test; nothing is downloaded. No test file imports
 another test file: what two of them share lives here (`from conftest import NAME`) or in a plain helper
-module (dist_check.py, ep_ckpt_util.py, moe_util.py, fake_vllm.py, vllm_check.py, reference.py).
+module of tests/helpers/ (dist_check.py, ep_ckpt_util.py, moe_util.py, fake_vllm.py, fake_vllm_launch.py,
+reference.py), which this file puts on sys.path: a test imports them by name (`import dist_check`).
 
 Paths
-    ROOT, TESTS_DIR        the repository root and tests/
+    ROOT, TESTS_DIR        the repository root and tests/; HELPERS_DIR tests/helpers/
 Tiny models and data
     byte_tokenizer_dir     a model directory's tokenizer files (a token per byte + SPECIALS), chat template
     make_model_dir         a tiny random Qwen2 model directory with that tokenizer
@@ -15,12 +16,12 @@ The trainer on the tiny model
     trainer_argv           TINY_RUN on tiny_dir as command-line flags (train_dapo.main, or the script)
     run_metrics            a run's metrics.jsonl rows without timings (what must match between runs)
 Processes
-    torchrun_script        `torchrun --standalone` a script of tests/ on N CPU processes; asserts it exits 0
-    torchrun_dist_check    torchrun_script for tests/dist_check.py (a mode and its arguments)
+    torchrun_script        `torchrun --standalone` a script of tests/helpers/ on N CPU processes; asserts it exits 0
+    torchrun_dist_check    torchrun_script for tests/helpers/dist_check.py (a mode and its arguments)
 Comparisons and environment probes
     max_diff               the largest absolute difference between two same-keyed dicts of tensors
     compile_unavailable    None, or why torch.compile (Inductor) cannot run on this machine
-The memory planner's tiny model, its numbers worked out by hand (tests/test_configs.py, tests/test_sp.py)
+The memory planner's tiny model, its numbers worked out by hand (tests/test_plan.py, tests/test_sp.py)
     GiB, planner_model, planner_cfg, plan_bytes
 
 Tiers: tests marked `slow` (they start processes, compile, or otherwise take long) are left out of the
@@ -42,6 +43,8 @@ from tools import prepare_data
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
+HELPERS_DIR = os.path.join(TESTS_DIR, "helpers")
+sys.path.insert(0, HELPERS_DIR)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -145,11 +148,11 @@ def run_metrics(out):
 
 
 def torchrun_script(nproc, script, *args, timeout=300):
-    """Run tests/{script} under `torchrun --standalone` (a free port) on nproc CPU processes (gloo), one
+    """Run tests/helpers/{script} under `torchrun --standalone` (a free port) on nproc CPU processes (gloo), one
     thread each, the repository on PYTHONPATH; assert it exits 0, else fail with the tail of its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(TESTS_DIR, script), *map(str, args)]
+           os.path.join(HELPERS_DIR, script), *map(str, args)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
@@ -157,20 +160,20 @@ def torchrun_script(nproc, script, *args, timeout=300):
 def torchrun_trainer(tiny_dir, out, nproc, fault=None, fake_vllm=False, **over):
     """`torchrun --nproc-per-node nproc train_dapo.py -- FLAGS` of a short run on tiny_dir's model and data
     (trainer_argv), a free port, CPU processes of one thread each -> the Popen, stdout and stderr in one pipe.
-    fault: NANODAPO_FAULT (checkpoint.fault_point). fake_vllm: tests/fake_vllm.py stands in for vllm
-    (tests/fake_vllm_launch.py)."""
+    fault: NANODAPO_FAULT (checkpoint.fault_point). fake_vllm: tests/helpers/fake_vllm.py stands in for vllm
+    (tests/helpers/fake_vllm_launch.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("NANODAPO_FAULT", None)
     if fault:
         env["NANODAPO_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(TESTS_DIR, "fake_vllm_launch.py") if fake_vllm else os.path.join(ROOT, "train_dapo.py"),
+           os.path.join(HELPERS_DIR, "fake_vllm_launch.py") if fake_vllm else os.path.join(ROOT, "train_dapo.py"),
            "--", *trainer_argv(tiny_dir, out, **over)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def torchrun_dist_check(nproc, mode, *args):
-    """tests/dist_check.py's `mode` (fsdp, tp, sp, ep2, save, load, ...) on nproc CPU processes; it
+    """tests/helpers/dist_check.py's `mode` (fsdp, tp, sp, ep2, save, load, ...) on nproc CPU processes; it
     writes its results to the .pt path among args."""
     torchrun_script(nproc, "dist_check.py", mode, *args)
 
@@ -195,7 +198,7 @@ def compile_unavailable() -> str | None:
 
 
 # -----------------------------------------------------------------------------
-# the memory planner's tiny Qwen2-shaped model, every number by hand (tests/test_configs.py, test_sp.py)
+# the memory planner's tiny Qwen2-shaped model, every number by hand (tests/test_plan.py, test_sp.py)
 #
 # hidden 64, intermediate 128, 2 layers, 4 heads x 16 (q 64), 2 kv heads (kv 32), vocab 1000, untied,
 # q/k/v biases.
@@ -216,7 +219,7 @@ def planner_model():
 
 def planner_cfg(**kw):
     """The train_dapo.Config the hand-checked plans use (tp_size=2, checkpointing on, eager blocks: the
-    activation bytes worked out in tests/test_configs.py, ...); keyword arguments override any key."""
+    activation bytes worked out in tests/test_plan.py, ...); keyword arguments override any key."""
     base = dict(max_prompt_length=16, max_response_length=48, ppo_micro_batch_size_per_gpu=2,
                 use_dynamic_bsz=False, logprob_chunk=16, max_num_seqs=8, n=4, gradient_checkpointing=True,
                 tp_size=2, compile=False)

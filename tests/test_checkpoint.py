@@ -14,7 +14,6 @@ import hf
 import model as M
 import parallel
 
-sys.path.insert(0, os.path.dirname(__file__))
 import dist_check  # noqa: E402
 
 STATE = {"step": 3, "scheduler": {"last_epoch": 5}, "sampler": {"epoch": 1, "index": 7}}
@@ -30,7 +29,7 @@ def trained(seed=0):
 
 
 def save(path, model, opt, state=STATE):
-    checkpoint.save_checkpoint(str(path), model, opt, state, DIMS, export=lambda tmp: hf.save_pretrained(model, tmp))
+    checkpoint.write_checkpoint(str(path), model, opt, state, DIMS, export=lambda tmp: hf.save_pretrained(model, tmp))
 
 
 def snapshot(model):
@@ -141,7 +140,7 @@ def test_full_disk_removes_the_partial_checkpoint_and_keeps_older_ones(ckpt, mon
         export = enospc
     new = root / "step_4"
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.save_checkpoint(str(new), model, opt, {**STATE, "step": 4}, DIMS, export=export)
+        checkpoint.write_checkpoint(str(new), model, opt, {**STATE, "step": 4}, DIMS, export=export)
     assert "No space left on device" in str(e.value) and str(new) in str(e.value)
     assert sorted(os.listdir(root)) == ["step_3"]  # no step_4, no step_4.tmp
     monkeypatch.undo()
@@ -155,14 +154,14 @@ def test_other_write_errors_are_named_too(tmp_path):
     def export(tmp):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
     with pytest.raises(checkpoint.CheckpointError, match=r"writing .*step_1.tmp failed \(OSError: \[Errno 5\]"):
-        checkpoint.save_checkpoint(str(tmp_path / "step_1"), model, opt, STATE, DIMS, export=export)
+        checkpoint.write_checkpoint(str(tmp_path / "step_1"), model, opt, STATE, DIMS, export=export)
     assert os.listdir(tmp_path) == []
 
 
 def test_save_refuses_a_trainer_state_a_resume_could_not_use(tmp_path):
     model, opt = trained()
     with pytest.raises(ValueError, match="trainer_state lacks sampler"):
-        checkpoint.save_checkpoint(str(tmp_path / "step_1"), model, opt, {"step": 1, "scheduler": {}}, DIMS)
+        checkpoint.write_checkpoint(str(tmp_path / "step_1"), model, opt, {"step": 1, "scheduler": {}}, DIMS)
     assert os.listdir(tmp_path) == []
 
 

@@ -188,7 +188,7 @@ def test_fsdp_sharded_expert_stacks_load_their_rows(tmp_path):
     here = os.path.dirname(__file__)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(here)}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        os.path.join(here, "moe_util.py"), str(tmp_path / "model"), str(tmp_path / "out.pt")],
+                        os.path.join(here, "helpers", "moe_util.py"), str(tmp_path / "model"), str(tmp_path / "out.pt")],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")

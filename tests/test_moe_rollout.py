@@ -1,6 +1,6 @@
-"""Weight pushes of a Qwen3-MoE into the engines on the CPU: vLLM (tests/fake_vllm.py, which like vLLM takes HF
+"""Weight pushes of a Qwen3-MoE into the engines on the CPU: vLLM (tests/helpers/fake_vllm.py, which like vLLM takes HF
 names only) receives every expert as its own HF tensor, a view of the trainer's stack, and then holds exactly the
-trainer's weights; the built-in engine takes nanodapo's or HF's names; tests/vllm_check.py on a random MoE."""
+trainer's weights; the built-in engine takes nanodapo's or HF's names; bench/vllm_check.py on a random MoE."""
 import json
 import os
 
@@ -11,7 +11,7 @@ import fake_vllm
 import hf
 import parallel
 import rollout as R
-import vllm_check
+from bench import vllm_check
 
 # a tiny Qwen3-MoE in the demo tokenizer's vocabulary (270 ids); 6 experts, top-2
 TINY_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=272, hidden_size=64, intermediate_size=96,

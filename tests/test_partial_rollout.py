@@ -1,6 +1,6 @@
 """Partial rollout (rollout.generate_resumable, used by asynchronous mode's generators): newer weights stop a
 generation between decode steps, and the unfinished responses go on with them. Checked on both engines (vLLM
-through tests/fake_vllm.py and its stepped engine): every token's log-prob is the log-prob, under the weights of
+through tests/helpers/fake_vllm.py and its stepped engine): every token's log-prob is the log-prob, under the weights of
 the version it is tagged with, of that token given everything before it (so the continuation ran on the new
 weights, with its KV computed again, not on the old cache), the versions switch exactly where the pause came, and
 the responses are complete. Also the per-prompt token budgets a continuation uses, and the per-token staleness

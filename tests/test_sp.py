@@ -108,7 +108,7 @@ def test_compiled_blocks_match_eager(checkpointing):
 
 
 def test_memory_plan_divides_activations_by_sp():
-    """The memory planner's tiny model (conftest.planner_model, worked out in tests/test_configs.py) by hand, at
+    """The memory planner's tiny model (conftest.planner_model, worked out in tests/test_plan.py) by hand, at
     world 8 = dp 2 x sp 2 x tp 2."""
     with_sp = lambda **kw: planner_cfg(**kw, sp_size=2)  # noqa: E731
     base = plan_bytes(plan.memory_plan(planner_cfg(), planner_model(), 8, 80, runtime_gib=0))

@@ -1,8 +1,8 @@
-"""The vLLM engine's bookkeeping on the CPU, through tests/fake_vllm.py (a stand-in backed by model.py):
+"""The vLLM engine's bookkeeping on the CPU, through tests/helpers/fake_vllm.py (a stand-in backed by model.py):
 prompt sharding over engines and the gather order, weight versions and stale-weight errors, the memory
 cycle, request construction, the model's length limit, the trainer's wake -> push -> generate -> sleep
-choreography, and tests/vllm_check.py end to end. What needs real vLLM (log-prob agreement in bf16, sleep/wake
-on a GPU) is in tests/test_vllm_gpu.py, which runs tests/vllm_check.py on GPUs."""
+choreography, and bench/vllm_check.py end to end. What needs real vLLM (log-prob agreement in bf16, sleep/wake
+on a GPU) is in tests/test_vllm_gpu.py, which runs bench/vllm_check.py on GPUs."""
 import importlib.util
 import json
 import os
@@ -20,7 +20,7 @@ import model as M
 import parallel
 import rollout as R
 import train_dapo as T
-import vllm_check
+from bench import vllm_check
 from conftest import ROOT, make_model_dir, tiny_train_config
 from fake_vllm import install
 
@@ -290,7 +290,7 @@ def test_vllm_engine_refuses_a_max_model_len_above_the_models_limit(monkeypatch,
 
 
 def test_vllm_check_passes_on_the_demo_model_against_the_fake(monkeypatch, tmp_path, capsys):
-    """tests/vllm_check.py end to end on the CPU. The demo model's max_position_embeddings is 256, below the
+    """bench/vllm_check.py end to end on the CPU. The demo model's max_position_embeddings is 256, below the
     script's default prompt length + max_tokens: the script builds its engine within the model's limit."""
     install(monkeypatch)
     out = tmp_path / "result.json"

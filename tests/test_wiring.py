@@ -1,5 +1,5 @@
 """The DAPO objective, wired end to end, each part against a float64 reference written from ALGORITHM.md
-(tests/reference.py):
+(tests/helpers/reference.py):
 - the batch the loop hands update_policy: score + overlong penalty - in-reward KL, the group advantages of
   that final reward, old and reference log-probs, the token-rejection mask;
 - the gradient of each optimizer step update_policy takes: clip-higher, dual clip, aggregation over the whole
@@ -16,8 +16,8 @@ import torch
 import hf
 import model as M
 import parallel
-import rollout
 import reference as ref
+import trajectories
 import train_dapo as T
 from conftest import random_batch
 
@@ -218,14 +218,14 @@ ENGINE_SHIFT = [0.0, 0.3, -1.0, -0.4, 1.5]  # engine minus trainer log-prob; |sh
 
 def skew_engine_logprobs(monkeypatch):
     """An engine whose log-probs differ from the trainer's by ENGINE_SHIFT (as other kernels or dtypes do)."""
-    real = rollout.generate_and_score
+    real = trajectories.generate_and_score
 
     def skewed(*args, **kwargs):
         traj, counts = real(*args, **kwargs)
         traj.rollout_logp = traj.rollout_logp + per_token(ENGINE_SHIFT, traj.response_mask).float()
         return traj, counts
 
-    monkeypatch.setattr(rollout, "generate_and_score", skewed)
+    monkeypatch.setattr(trajectories, "generate_and_score", skewed)
 
 
 def demo_cfg(out_dir, **over) -> T.Config:

@@ -1,6 +1,6 @@
 """Tiny random Qwen3-MoE checkpoints made by transformers (the reference implementation), for tests/test_moe.py.
 Run under torchrun (2 CPU processes, gloo) it loads one with FSDP sharding the expert stacks:
-    python -m torch.distributed.run --nproc-per-node 2 tests/moe_util.py MODEL_DIR OUT.pt
+    python -m torch.distributed.run --nproc-per-node 2 tests/helpers/moe_util.py MODEL_DIR OUT.pt
 and rank 0 saves every parameter gathered from the shards."""
 import os
 import sys

@@ -1,11 +1,11 @@
 """
 The vLLM engine against the trainer and the built-in engine, on GPUs (needs CUDA and vllm). Run by
-tests/test_vllm_gpu.py (and on the CPU, against tests/fake_vllm.py, by tests/test_vllm_engine.py), or directly:
+tests/test_vllm_gpu.py (and on the CPU, against tests/helpers/fake_vllm.py, by tests/test_vllm_engine.py), or directly:
 
-    torchrun --nproc-per-node 1 tests/vllm_check.py MODEL_DIR [--gen_tp 1] [--out result.json]
-    torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 2     # one engine over 2 GPUs
-    torchrun --nproc-per-node 2 tests/vllm_check.py MODEL_DIR --gen_tp 1     # two engines
-    torchrun --nproc-per-node 1 tests/vllm_check.py MODEL_DIR --random_moe 4  # writes MODEL_DIR first
+    torchrun --nproc-per-node 1 bench/vllm_check.py MODEL_DIR [--gen_tp 1] [--out result.json]
+    torchrun --nproc-per-node 2 bench/vllm_check.py MODEL_DIR --gen_tp 2     # one engine over 2 GPUs
+    torchrun --nproc-per-node 2 bench/vllm_check.py MODEL_DIR --gen_tp 1     # two engines
+    torchrun --nproc-per-node 1 bench/vllm_check.py MODEL_DIR --random_moe 4  # writes MODEL_DIR first
 
 --random_moe N writes a random Qwen3-30B-A3B-shaped model cut to N layers (write_random_moe: model.py's classes,
 save_pretrained, the demo's tokenizer files) into MODEL_DIR before the checks, so no download is needed.
@@ -75,7 +75,7 @@ def main(argv=None) -> bool:
     ap.add_argument("--max_tokens", type=int, default=128)
     ap.add_argument("--enforce_eager", type=int, default=1)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda")  # cpu: only against tests/fake_vllm.py
+    ap.add_argument("--device", default="cuda")  # cpu: only against tests/helpers/fake_vllm.py
     a = ap.parse_args(argv)
     dims = parallel.init_distributed(a.device)
     if a.random_moe > 0:

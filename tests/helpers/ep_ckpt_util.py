@@ -1,8 +1,8 @@
 """Distributed checkpoints of a tiny Qwen3-MoE across expert-parallel layouts, for tests/test_ep_checkpoint.py. Run
 under torchrun (CPU processes, gloo) it runs its jobs in order, each on a fresh model loaded from MODEL_DIR:
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/ep_ckpt_util.py MODEL_DIR OUT.pt \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/ep_ckpt_util.py MODEL_DIR OUT.pt \
         save:2:CKPT load:1:OTHER_CKPT
-  save:EP:PATH  SAVE_AT AdamW steps at ep_size EP (FSDP over all ranks), then checkpoint.save_checkpoint to PATH
+  save:EP:PATH  SAVE_AT AdamW steps at ep_size EP (FSDP over all ranks), then checkpoint.write_checkpoint to PATH
   load:EP:PATH  checkpoint.load_checkpoint from PATH at ep_size EP
 and after each records the full parameters and AdamW states, takes one more step and records the parameters again;
 rank 0 saves the list of records. In one process (tests) run_job gives the same record at world size 1."""
@@ -62,7 +62,7 @@ def run_job(model_dir: str, job: str) -> dict:
         adamw_steps(model, opt, dims, SAVE_AT)
         state = {"step": SAVE_AT, "scheduler": {}, "sampler": {}}
         export = lambda tmp: checkpoint.export_hf(model, tmp, dims, torch.float32)  # noqa: E731  (as train_dapo.save)
-        checkpoint.save_checkpoint(path, model, opt, state, dims, export)
+        checkpoint.write_checkpoint(path, model, opt, state, dims, export)
     elif action == "load":
         state = checkpoint.load_checkpoint(path, model, opt, dims)
     else:

@@ -8,7 +8,7 @@ asked for). Its engine (llm.llm_engine) steps requests one token at a time with 
 request leaves no output, as vLLM's does. It records every call, so the CPU tests can check the engine's
 bookkeeping and the trainer's choreography (wake, push, generate, sleep) without a GPU.
 
-tests/fake_vllm_launch.py runs train_dapo.py with this module as vllm, for torchrun tests."""
+tests/helpers/fake_vllm_launch.py runs train_dapo.py with this module as vllm, for torchrun tests."""
 import enum
 import importlib.machinery
 import os
@@ -208,7 +208,7 @@ GPU_BYTES = 80 * 2**30  # the device the stand-in engine sizes its KV pool again
 
 
 def install_globally(free_bytes=8 * 2**30):
-    """For a whole process (tests/fake_vllm_launch.py): `import vllm` gives the stand-ins."""
+    """For a whole process (tests/helpers/fake_vllm_launch.py): `import vllm` gives the stand-ins."""
     module = vllm_module()
     sys.modules["vllm"], sys.modules["vllm.sampling_params"] = module, module.sampling_params
     R.free_device_memory = lambda: free_bytes

@@ -290,7 +290,7 @@ def main(mode, ckpt_dir, out):
         export = lambda tmp: checkpoint.export_hf(model, tmp, dims, torch.float32)  # noqa: E731
         state = {"step": 1, "scheduler": {}, "sampler": {}}
         with held:
-            checkpoint.save_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, state, dims, export)
+            checkpoint.write_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt, state, dims, export)
     elif mode == "load":  # resume that checkpoint, one more step (uses the restored Adam moments)
         with held:
             result["state"] = checkpoint.load_checkpoint(os.path.join(os.path.dirname(out), "ckpt"), model, opt,
@@ -303,7 +303,7 @@ def main(mode, ckpt_dir, out):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
     main(*sys.argv[1:])
     # results are written and the process group destroyed: skip interpreter teardown, where gloo's worker threads
     # intermittently abort the process ("terminate called without an active exception") on a loaded machine

@@ -1,4 +1,4 @@
-"""`python tests/fake_vllm_launch.py FLAGS` is `python train_dapo.py FLAGS` with tests/fake_vllm.py standing in for
+"""`python tests/helpers/fake_vllm_launch.py FLAGS` is `python train_dapo.py FLAGS` with tests/helpers/fake_vllm.py standing in for
 vllm: torchrun tests of the vLLM engine's paths on CPU ranks (the repository on PYTHONPATH)."""
 import os
 import sys

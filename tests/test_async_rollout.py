@@ -1,5 +1,5 @@
 """Asynchronous rollout (rollout_gpus > 0) on CPU with gloo, with the built-in engine and with vLLM generators
-(tests/fake_vllm.py; one engine of two ranks in the 1 + 2 layout): the last torchrun ranks generate, the others
+(tests/helpers/fake_vllm.py; one engine of two ranks in the 1 + 2 layout): the last torchrun ranks generate, the others
 train. Runs are deterministic, a kill -9 then resume reproduces the uninterrupted run, no token is older than
 max_staleness versions, and every prompt drawn is trained on once, in order, across resumes. Partial rollout
 (max_staleness=2: gen batches are in flight when weights change) through the whole loop."""
