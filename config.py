@@ -10,7 +10,6 @@ A config file is plain Python: its top-level assignments override Config's defau
 --key=value, parsed with ast.literal_eval (a bare word is a string). Unknown keys and wrong types are errors.
 """
 import ast
-import difflib
 import importlib.util
 import math
 import os
@@ -21,6 +20,7 @@ import typing
 import data
 import parallel
 import reward
+import verl_keys
 from data import Tokenizer
 from hf import check_weights
 
@@ -32,26 +32,72 @@ class ConfigError(ValueError):
 # parsing: config files and --key=value
 
 def parse_args(config_class, argv: list[str]) -> tuple[typing.Any, dict]:
-    """CONFIG.py (plain Python assignments) then --key=value overrides -> (config, flags)."""
+    """CONFIG.py files (plain Python assignments), verl's dotted keys (a.b.c=v, +a.b.c=v, --a.b.c=v; through
+    verl_keys.VERL_KEYS), then nanodapo's --key=value -> (config, flags). Given verl keys and no config file,
+    the base is verl's defaults where they differ from nanodapo's: a pasted verl command line is the verl run.
+    Refused and unknown verl keys stop here, one line each; no-ops are reported once."""
     cfg, flags = config_class(), {"dry_run": False}
-    for arg in argv:
-        if arg == "--dry_run":
-            flags["dry_run"] = True
+    files, verl, ours = [], [], []
+    fields = typing.get_type_hints(config_class)
+    for arg in map(str.strip, argv):  # a launch script's stray backslash-space leaves blanks
+        if not arg:
+            continue
+        if arg == "--dry_run" or arg.startswith("--dry_run="):
+            flags["dry_run"] = dry_run_flag(arg)
+        elif verl_keys.verl_key_like(arg) or ("=" in arg and not arg.startswith("--")
+                                              and arg.partition("=")[0] not in fields
+                                              and not os.path.isfile(arg)):
+            verl.append(tuple(arg.split("=", 1)))
         elif arg.startswith("--"):
             key, eq, raw = arg[2:].partition("=")
             if not eq:
                 raise ConfigError(f"{arg}: overrides are written --key=value")
-            try:
-                value = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                value = raw  # a bare string
-            set_field(cfg, key, value, f"command line {arg}")
+            if key not in fields and verl_keys.lookup(key):  # a recipe script's variable (--train_prompt_bsz)
+                verl.append((key, raw))
+            else:
+                ours.append((key, raw, arg))
+        elif "=" in arg and arg.partition("=")[0] in fields:
+            key, _, raw = arg.partition("=")
+            ours.append((key, raw, arg))
         else:
-            for key, value in run_config_file(arg).items():
-                if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
-                    continue  # imports, helpers and private names are not knobs
-                set_field(cfg, key, value, f"config file {arg}")
+            files.append(arg)
+    for path in files:
+        for key, value in run_config_file(path).items():
+            if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+                continue  # imports, helpers and private names are not knobs
+            set_field(cfg, key, value, f"config file {path}")
+    if verl:
+        apply_verl(cfg, verl_keys.translate(verl, fields, verl_defaults=not files, base=vars(cfg)))
+    for key, raw, arg in ours:
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw  # a bare string
+        set_field(cfg, key, value, f"command line {arg}")
     return cfg, flags
+
+
+def dry_run_flag(arg: str) -> bool:
+    """--dry_run, --dry_run=True / False (like every other knob)."""
+    raw = arg.partition("=")[2] or "True"
+    if raw.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"{arg}: write --dry_run or --dry_run=True / False")
+    return raw.lower() in ("true", "1")
+
+
+def apply_verl(cfg, t):
+    """Set cfg from a verl_keys.Translation, after refusing it whole if any key is refused or unknown;
+    say once, on the first rank, what it did."""
+    if t.refused or t.unknown:
+        raise ConfigError("verl keys nanodapo does not take (nothing has run):\n  " + "\n  ".join(t.problems()))
+    for field, (value, _) in t.defaults.items():
+        set_field(cfg, field, value, "verl's default")
+    for field, (value, key) in t.fields.items():
+        if field == "vllm_kwargs":
+            value = {**cfg.vllm_kwargs, **value}
+        set_field(cfg, field, value, f"verl key {key}")
+    if parallel.torchrun_rank() == 0:
+        print("\n".join(t.report()))
 
 
 def run_config_file(path: str) -> dict:
@@ -76,9 +122,13 @@ def set_field(cfg, key: str, value, where: str):
     hints = typing.get_type_hints(type(cfg))
     if key not in hints:
         message = f"unknown config key {key!r} ({where})"
-        close = difflib.get_close_matches(key, hints, n=1)
-        if close:
-            message += f"; did you mean {close[0]!r}?"
+        close = verl_keys.closest(key, hints)
+        if close in hints:
+            message += f"; did you mean {close!r}?"
+        elif close:
+            rule = verl_keys.VERL_KEYS[close]
+            ours = f" (nanodapo: {', '.join(rule.fields)})" if rule.fields else ""
+            message += f"; did you mean verl's {close!r}{ours}? verl keys are written whole: {close}=..."
         raise ConfigError(message)
     tp = hints[key]
     if isinstance(value, str) and typing.get_origin(tp) is list:
@@ -154,7 +204,7 @@ KNOB_RANGES = {  # knob -> (test, what the message says is allowed)
         "max_staleness", "watchdog_log_s", "watchdog_timeout_s")},
     **{k: NON_NEGATIVE for k in (
         "lr", "weight_decay", "lr_warmup_steps", "seed", "total_training_steps", "test_freq", "keep_last",
-        "max_num_gen_batches", "reward_num_workers", "kl_loss_coef", "kl_coef", "overlong_penalty_factor",
+        "reward_num_workers", "kl_loss_coef", "kl_coef", "overlong_penalty_factor",
         "log_val_generations", "cpu_threads", "val_temperature", "max_num_batched_tokens",
         "logp_mismatch_warn", "rollout_gpus", "clip_ratio_high")},
     "train_max_samples": ALL_OR_POSITIVE,
@@ -179,6 +229,12 @@ LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb"
 
 # -----------------------------------------------------------------------------
 # the checks
+
+def ref_offload(cfg) -> bool:
+    """Is the reference model's copy on the host? ref_param_offload, or the actor's param_offload when None
+    (verl's ref.fsdp_config.param_offload is its own key: its GRPO examples offload the reference only)."""
+    return cfg.param_offload if cfg.ref_param_offload is None else cfg.ref_param_offload
+
 
 def check_config(cfg, world_size: int = 1, check_files: bool = True):
     """Every knob and cross-field rule, then (check_files) the model, data, reward and out_dir, before

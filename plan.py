@@ -12,7 +12,7 @@ import os
 import data
 import parallel
 import rollout
-from config import ConfigError, check_config
+from config import ConfigError, check_config, ref_offload
 from hf import KNOWN_CONFIGS, load_config
 from model import ModelConfig
 
@@ -78,11 +78,13 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     state = {"params": 4 * per_gpu, "grads": 4 * per_gpu, "optimizer": 8 * per_gpu,
              "ref_params": 4 * per_gpu if use_ref else 0}
     if cfg.param_offload:  # FSDP2's CPU offload: all of it on the host
-        host = dict(state)
+        host = {k: v for k, v in state.items() if k != "ref_params"}
     elif cfg.optimizer_offload:  # the AdamW states on the host, on the GPU for the step
         host = {"optimizer": state["optimizer"]}
     else:
         host = {}
+    if ref_offload(cfg):  # the reference model's shards: ref_param_offload, else as param_offload
+        host["ref_params"] = state["ref_params"]
     gib = {k: 0.0 if k in host else v / GiB for k, v in state.items()}
     host_gib = sum(host.values()) / GiB
     gib.update(engine_weights=w * P / GiB, runtime=runtime_gib)
@@ -217,15 +219,17 @@ def _vllm_awake(cfg, m, gpu_gib: float, w: int, seq: int, kv_token: int) -> tupl
 
 def check_host_memory(cfg, model_cfg, world_size: int, ranks_on_node: int, host_gib: float, engine: str):
     """param_offload keeps each rank's fp32 weights, gradients and AdamW states in host memory,
-    optimizer_offload its AdamW states: refuse, before anything is loaded, a run whose ranks on one node would
-    need more than 90% of it (the OOM killer would end it mid-step; the rest is the processes' own)."""
+    optimizer_offload its AdamW states, ref_param_offload the reference model's weights: refuse, before
+    anything is loaded, a run whose ranks on one node would need more than 90% of it (the OOM killer would end it mid-step; the rest is the processes' own)."""
     per_rank = memory_plan(cfg, model_cfg, world_size, 80.0, engine=engine)["host_gib"]
     if per_rank * ranks_on_node > 0.9 * host_gib:
         if cfg.param_offload:
             what = "param_offload: the offloaded fp32 weights, gradients and AdamW states"
             alone = ", optimizer_offload alone (only the AdamW states on the host)"
-        else:
+        elif cfg.optimizer_offload:
             what, alone = "optimizer_offload: the offloaded AdamW states", ""
+        else:
+            what, alone = "ref_param_offload: the reference model's offloaded fp32 weights", ""
         raise ConfigError(
             f"{what} take {per_rank:.1f} GiB of host memory per GPU, {per_rank * ranks_on_node:.1f} GiB "
             f"for the {ranks_on_node} GPU(s) on this node, which has {host_gib:.0f} GiB (at most 90% of it "
@@ -280,6 +284,9 @@ def _model_note(n_moe: int, E: int, ep: int, gpu_gib: float, P: int) -> str:
 def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     """What to turn when `term` is the largest part of a peak that does not fit."""
     budget = "ppo_max_token_len_per_gpu" if cfg.use_dynamic_bsz else "ppo_micro_batch_size_per_gpu"
+    if term == "ref_params" and not ref_offload(cfg):
+        return ("ref_param_offload=True (the reference model's weights on the host, the actor's stay), or more "
+                "GPUs (smaller shards)")
     if term in ("params", "grads", "optimizer", "ref_params") and not cfg.optimizer_offload:
         return ("optimizer_offload=True (the AdamW states on the host between optimizer steps), or more GPUs "
                 "(smaller shards)")

@@ -44,7 +44,7 @@ import plan
 import reliability
 import reward
 from checkpoint import CheckpointError, CheckpointInputError, fault_point
-from config import ConfigError, check_config, parse_args
+from config import ConfigError, check_config, parse_args, ref_offload
 from data import Tokenizer
 from hf import from_pretrained, load_config
 from model import IGNORE_INDEX, load_balancing_loss, pack_sequences
@@ -852,6 +852,8 @@ def fit(cfg: Config):
             del batch  # this step's data is not run-long
             freeze_gc_heap()
     bar.close()
+    if logger is not None:
+        logger.close()
     close_run(run)
     return run.model
 
@@ -1041,7 +1043,7 @@ def setup(cfg: Config) -> Run:
         run.engine = make_engine(cfg, dims, engine_kind, compute_dtype, compile_blocks, log)
         return run
 
-    if cfg.param_offload or cfg.optimizer_offload:  # before anything is loaded
+    if cfg.param_offload or cfg.optimizer_offload or ref_offload(cfg):  # before anything is loaded
         plan.check_host_memory(cfg, load_config(cfg.model_path), dims.world_size,
                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")), parallel.host_memory_gib(),
                                engine_kind)
@@ -1125,7 +1127,7 @@ def build_policy(cfg: Config, dims, engine_kind: str, compute_dtype: torch.dtype
     model.gradient_checkpointing = ckpt
     ref_model = None
     if cfg.use_kl_loss or cfg.use_kl_in_reward:
-        ref_model = build(cfg.param_offload if cfg.ref_param_offload is None else cfg.ref_param_offload)
+        ref_model = build(ref_offload(cfg))
         ref_model.eval().requires_grad_(False)
     return model, ref_model
 
@@ -1386,6 +1388,16 @@ class Logger:
                     ("sampling/num_gen_batches", "gen_batches"), ("timing_s/step", "s")]
             say(f"step {step:4d} | "
                 + " | ".join(f"{short} {metrics[k]:.3g}" for k, short in keys if k in metrics))
+
+    def close(self):
+        """Write out what the backends hold: tensorboard flushes its events, the wandb and mlflow runs end."""
+        self.jsonl.close()
+        if "tensorboard" in self.backends:
+            self.backends["tensorboard"].close()
+        if "wandb" in self.backends:
+            self.backends["wandb"].finish()
+        if "mlflow" in self.backends:
+            self.backends["mlflow"].end_run()
 
 
 # -----------------------------------------------------------------------------

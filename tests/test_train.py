@@ -4,6 +4,7 @@ import copy
 import importlib.util
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -344,3 +345,24 @@ def test_the_heap_is_frozen_once_after_the_first_step_and_unfrozen_however_the_r
     with pytest.raises(T.RunError, match="stop here"):
         T.train(tiny_train_config(tiny_dir, tmp_path / "b", total_training_steps=3, save_freq=-1, test_freq=0))
     assert events == ["update", "freeze", "update", "unfreeze"]
+
+
+@pytest.mark.parametrize("param_offload,ref_param_offload,ref_offloaded", [
+    (False, True, True), (True, False, False), (True, None, True), (False, None, False)])
+def test_the_reference_model_offloads_on_its_own_knob(monkeypatch, param_offload, ref_param_offload,
+                                                       ref_offloaded):
+    """build_policy: the policy follows param_offload, the reference ref_param_offload (None: as the policy),
+    in both where its shards are materialized and FSDP's offload."""
+    built = []
+
+    def fake_from_pretrained(path, dtype, device, parallelize):
+        built.append((device.type, parallelize.keywords["offload"]))
+        return types.SimpleNamespace(eval=lambda: types.SimpleNamespace(requires_grad_=lambda flag: None))
+
+    monkeypatch.setattr(T, "from_pretrained", fake_from_pretrained)
+    cfg = T.Config(use_kl_loss=True, param_offload=param_offload, ref_param_offload=ref_param_offload,
+                   gradient_checkpointing=True, compile=False)
+    dims = types.SimpleNamespace(sharded=True, device=torch.device("cuda"))
+    T.build_policy(cfg, dims, "torch", torch.bfloat16, False, log=lambda msg: None)
+    policy_place = ("cpu", True) if param_offload else ("cuda", False)
+    assert built == [policy_place, ("cpu", True) if ref_offloaded else ("cuda", False)]
