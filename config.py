@@ -201,12 +201,12 @@ KNOB_RANGES = {  # knob -> (test, what the message says is allowed)
         "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "max_num_seqs", "total_epochs",
         "logprob_chunk", "val_n", "reward_timeout", "weight_sync_bucket_mb", "max_consecutive_skips",
         "temperature", "gen_tp", "tp_size", "sp_size", "ep_size", "nnodes", "n_gpus_per_node",
-        "max_staleness", "watchdog_log_s", "watchdog_timeout_s")},
+        "max_staleness", "watchdog_log_s", "watchdog_timeout_s", "tau_pos", "tau_neg")},
     **{k: NON_NEGATIVE for k in (
         "lr", "weight_decay", "lr_warmup_steps", "seed", "total_training_steps", "test_freq", "keep_last",
         "reward_num_workers", "kl_loss_coef", "kl_coef", "overlong_penalty_factor",
         "log_val_generations", "cpu_threads", "val_temperature", "max_num_batched_tokens",
-        "logp_mismatch_warn", "rollout_gpus", "clip_ratio_high")},
+        "logp_mismatch_warn", "rollout_gpus", "clip_ratio_high", "ppo_kl_coef")},
     "train_max_samples": ALL_OR_POSITIVE,
     "val_max_samples": ALL_OR_POSITIVE,
     "top_k": OFF_OR_POSITIVE,
@@ -220,6 +220,11 @@ KNOB_RANGES = {  # knob -> (test, what the message says is allowed)
     "gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
     "tis_imp_ratio_cap": (lambda v: v == -1 or v >= 1, "-1 (off) or a cap >= 1, e.g. 2"),
     "rollout_rs_threshold": (lambda v: v == -1 or v > 1, "-1 (off) or a threshold > 1, e.g. 2"),
+    "rollout_rs_threshold_lower": (lambda v: v == -1 or 0 < v < 1, "-1 (1 / rollout_rs_threshold) or in (0, 1)"),
+    "rollout_is_threshold": (lambda v: v >= 1, ">= 1, e.g. 2"),
+    "clip_cov_ratio": IN_UNIT_INTERVAL,
+    "kl_cov_ratio": IN_UNIT_INTERVAL,
+    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "grad_clip": (lambda v: v > 0, "> 0 (0 would zero every update and a negative value flip the gradients); "
                                    "float('inf') in a config file turns clipping off"),
     "betas": (lambda v: all(0 <= b < 1 for b in v), "two values in [0, 1)"),
@@ -241,6 +246,8 @@ def check_config(cfg, world_size: int = 1, check_files: bool = True):
     anything expensive. Raises ConfigError naming the knob or file and the fix."""
     check_knobs(cfg)
     check_batch_and_mesh(cfg, world_size)
+    if hasattr(cfg, "check_algorithm"):  # the loss mode's, estimator's and rollout correction's needs
+        cfg.check_algorithm(world_size)
     if not check_files:
         return
     trainer_ranks = world_size - cfg.rollout_gpus

@@ -87,9 +87,22 @@ class Config:
     clip_ratio_low: float = 0.2  # eps_low: ratio >= 1 - eps_low
     clip_ratio_high: float = 0.28  # eps_high (clip-higher): ratio <= 1 + eps_high
     clip_ratio_c: float = 10.0  # dual-clip bound for negative advantages (> 1)
+    # the policy loss (ALGORITHM.md "Loss modes"): vanilla | gspo | cispo | geo_mean | clip_cov | kl_cov | sapo
+    loss_mode: LossMode = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: the share of response tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: the covariance band of the tokens it may cut
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: the share of tokens (largest covariance) given the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: the coefficient of |logp - old_logp| on those tokens
+    tau_pos: float = 1.0  # sapo: the gate's temperature where A > 0
+    tau_neg: float = 1.05  # sapo: the gate's temperature where A <= 0
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     loss_agg_mode: AggMode = "token-mean"
-    norm_adv_by_std: bool = True  # GRPO: divide by group std; False = Dr.GRPO
+    # the advantage (ALGORITHM.md "Advantage estimators"): grpo | rloo | reinforce_plus_plus |
+    # reinforce_plus_plus_baseline | opo | grpo_passk
+    adv_estimator: AdvEstimator = "grpo"
+    norm_adv_by_std: bool = True  # GRPO (and grpo_passk): divide by group std; False = Dr.GRPO
+    gamma: float = 1.0  # reinforce_plus_plus: the discount of the token returns
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
     router_aux_loss: bool = False  # MoE: add the load-balancing loss x router_aux_loss_coef (config.json)
     router_replay: bool = False  # MoE + vLLM: trainer forwards route each token to the experts vLLM chose
@@ -150,7 +163,16 @@ class Config:
     vllm_kwargs: dict = field(default_factory=dict)
     # truncated importance sampling: token losses x min(p_old / p_rollout, cap)
     tis_imp_ratio_cap: float = -1.0  # -1 = off (async mode: 2.0)
-    rollout_rs_threshold: float = -1.0  # token rejection: drop tokens with p_old / p_rollout outside [1/t, t]
+    # rollout correction over the batch (ALGORITHM.md "Rollout correction"): importance weights p_old / p_rollout
+    # per token or per sequence, truncated at rollout_is_threshold; None = off
+    rollout_is: RolloutIS = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False  # divide the weights by their mean over the training batch
+    # rejection: drop tokens (token) or whole sequences (sequence: the product of the ratios; geometric: their
+    # geometric mean) whose ratio is outside [rollout_rs_threshold_lower, rollout_rs_threshold]
+    rollout_rs: RolloutRS = None  # None with rollout_rs_threshold set: token
+    rollout_rs_threshold: float = -1.0  # -1 = off
+    rollout_rs_threshold_lower: float = -1.0  # -1 = 1 / rollout_rs_threshold
     # asynchronous rollout (README "Asynchronous mode")
     rollout_gpus: int = 0  # 0 = colocated; N: the last N torchrun ranks only generate, the others only train
     max_staleness: int = 1  # async: step s trains on tokens sampled by policy versions >= s - max_staleness
@@ -197,6 +219,11 @@ class Config:
     nnodes: int = 1  # for --dry_run's arithmetic (torchrun's WORLD_SIZE wins at run time)
     n_gpus_per_node: int = 1
 
+    def check_algorithm(self, world_size: int = 1):
+        """What the chosen loss mode, estimator and rollout correction need of the other knobs (the rules live
+        beside their functions, check_algorithm); config.check_config calls it."""
+        check_algorithm(self, world_size)
+
 
 class RunError(RuntimeError):
     """The run cannot continue (dynamic sampling starved, repeated non-finite updates, stale weights)."""
@@ -216,6 +243,104 @@ def compute_grpo_advantages(scores, group_ids, norm_by_std: bool = True, eps: fl
         mu, sigma = (r.mean(), r.std()) if len(idx) > 1 else (r.new_tensor(0.0), r.new_tensor(1.0))
         adv[idx] = (r - mu) / (sigma + eps) if norm_by_std else r - mu
     return adv.float()
+
+
+# advantage estimators: adv_estimator -> f(token_level_rewards, response_mask, group_ids, cfg) -> [T] or
+# [T, R]. token_level_rewards [T, R]: the sequence reward on the last response token, minus kl_coef x token
+# KL on every response token (use_kl_in_reward), 0 elsewhere; R_i = its sum over the trajectory
+
+def group_sum(x, group_ids):
+    """For each trajectory, the sum of x [T] over its group, and the group's size. -> ([T], [T])"""
+    _, group, size = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    total = x.new_zeros(len(size)).index_add_(0, group, x)
+    return total[group], size[group].to(x.dtype)
+
+
+def masked_whiten(x, mask):
+    """(x - mean) / sqrt(var + 1e-8), mean and unbiased variance over the response tokens of mask."""
+    mask = mask.to(x.dtype)
+    n = mask.sum()
+    mean = (x * mask).sum() / n
+    var = ((x - mean).square() * mask).sum() / (n - 1).clamp(min=1)
+    return (x - mean) * (var + 1e-8).rsqrt()
+
+
+def grpo_advantages(token_level_rewards, response_mask, group_ids, cfg):
+    """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), compute_grpo_advantages. -> [T]"""
+    return compute_grpo_advantages(token_level_rewards.sum(-1), group_ids, cfg.norm_adv_by_std)
+
+
+def rloo_advantages(token_level_rewards, response_mask, group_ids, cfg):
+    """RLOO (Ahmadian et al. 2024): each response's baseline is the mean reward of the others in its group,
+        A_i = R_i - (sum_group R - R_i) / (G - 1);   a group of one: A_i = R_i. -> [T]"""
+    r = token_level_rewards.sum(-1).double()
+    total, size = group_sum(r, group_ids)
+    return torch.where(size > 1, r - (total - r) / (size - 1).clamp(min=1), r).float()
+
+
+def opo_advantages(token_level_rewards, response_mask, group_ids, cfg):
+    """OPO (Hao et al. 2025): the length-weighted mean reward of the group is the baseline,
+        A_i = R_i - sum_group(|y_j| R_j) / sum_group |y_j|      (|y|: response tokens)
+    a group of one: A_i = R_i. -> [T]"""
+    r, length = token_level_rewards.sum(-1).double(), response_mask.sum(-1).double()
+    weighted, size = group_sum(length * r, group_ids)
+    tokens, _ = group_sum(length, group_ids)
+    return torch.where(size > 1, r - weighted / tokens.clamp(min=1), r).float()
+
+
+def reinforce_plus_plus_advantages(token_level_rewards, response_mask, group_ids, cfg):
+    """REINFORCE++ (Hu 2025): each token's discounted return to the end of its response (the rewards are 0
+    after it), whitened over the batch's response tokens (no group baseline):
+        G_t = r_t + gamma G_(t+1),   A_t = (G_t - mean G) / sqrt(var G + 1e-8)
+    -> [T, R], 0 off the response"""
+    rewards, mask = token_level_rewards.double(), response_mask.double()
+    returns, running = torch.zeros_like(rewards), rewards.new_zeros(len(rewards))
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + cfg.gamma * running
+        returns[:, t] = running
+    return (masked_whiten(returns, mask) * mask).float()
+
+
+def reinforce_plus_plus_baseline_advantages(token_level_rewards, response_mask, group_ids, cfg):
+    """REINFORCE++-baseline (Hu 2025): the group mean is the baseline, then the batch whitens,
+        A_it = whiten(R_i - mean_group R) over the batch's response tokens (a group of one: mean 0).
+    -> [T, R], 0 off the response"""
+    r, mask = token_level_rewards.sum(-1).double(), response_mask.double()
+    total, size = group_sum(r, group_ids)
+    centred = torch.where(size > 1, r - total / size, r)[:, None] * mask
+    return (masked_whiten(centred, mask) * mask).float()
+
+
+def grpo_passk_advantages(token_level_rewards, response_mask, group_ids, cfg):
+    """Pass@k (arXiv 2503.19595, verl's grpo_passk): only the best response of each group learns,
+        A_best = (R_max - R_second) / (std_group R + 1e-6)   (R_max - R_second without norm_adv_by_std),
+    every other response 0 (a tie for best: 0). Groups need 2 responses or more. -> [T]"""
+    r = token_level_rewards.sum(-1).double()
+    adv = torch.zeros_like(r)
+    for g in torch.unique(group_ids):
+        idx = (group_ids == g).nonzero()[:, 0]
+        if len(idx) < 2:
+            raise ValueError(f"grpo_passk needs groups of 2 responses or more; group {int(g)} has {len(idx)}")
+        top, best = r[idx].topk(2)
+        gap = top[0] - top[1]
+        adv[idx[best[0]]] = gap / (r[idx].std() + 1e-6) if cfg.norm_adv_by_std else gap
+    return adv.float()
+
+
+ADV_ESTIMATORS = {"grpo": grpo_advantages, "rloo": rloo_advantages,
+                  "reinforce_plus_plus": reinforce_plus_plus_advantages,
+                  "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+                  "opo": opo_advantages, "grpo_passk": grpo_passk_advantages}
+AdvEstimator = Literal[tuple(ADV_ESTIMATORS)]
+
+
+def token_level_rewards(seq_reward, response_mask, token_kl_penalty=None):
+    """[T] rewards on the last response token of each trajectory, minus token_kl_penalty [T, R] (kl_coef x
+    token KL, use_kl_in_reward) on every response token: verl's token_level_rewards. -> [T, R]"""
+    mask = response_mask.to(seq_reward.dtype)
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    out = torch.zeros_like(mask).scatter(1, last[:, None], seq_reward[:, None]) * mask
+    return out if token_kl_penalty is None else out - token_kl_penalty * mask
 
 
 def varying_groups(metric, group_ids):
@@ -299,25 +424,272 @@ def policy_loss(*, logp, old_logp, adv, response_mask, clip_ratio_low: float, cl
     return agg_loss(loss_mat, response_mask, loss_agg_mode, max_response_length, count=count), metrics
 
 
+# policy losses: loss_mode -> f(logp, old_logp, adv, response_mask, cfg, *, count, token_weight)
+# -> (loss, metrics); adv is [T] (one per trajectory) or [T, R]; count and token_weight as in policy_loss
+
+def per_token(adv, like):
+    """adv [T] on every token of its trajectory, or adv [T, R] as it is."""
+    return adv[:, None].expand_as(like) if adv.dim() == 1 else adv
+
+
+def pg_metrics(log_ratio, response_mask, clipped=None, clipped_lower=None) -> dict:
+    """The columns every loss mode logs, as token means: pg_clipfrac (of `clipped`), pg_clipfrac_lower (of
+    `clipped_lower`; 0 where the mode has none), ppo_kl = mean(old_logp - logp)."""
+    none = torch.zeros_like(log_ratio, dtype=torch.bool)
+    return {"pg_clipfrac": token_mean(none if clipped is None else clipped, response_mask).detach(),
+            "pg_clipfrac_lower": token_mean(none if clipped_lower is None else clipped_lower,
+                                            response_mask).detach(),
+            "ppo_kl": token_mean(-log_ratio, response_mask).detach()}
+
+
+def weighted_agg(loss_mat, response_mask, cfg, count, token_weight):
+    """token_weight x loss_mat (rollout correction), reduced by loss_agg_mode over count (agg_loss)."""
+    if token_weight is not None:
+        loss_mat = loss_mat * token_weight
+    return agg_loss(loss_mat, response_mask, cfg.loss_agg_mode, cfg.max_response_length, count=count)
+
+
+def vanilla_policy_loss(logp, old_logp, adv, response_mask, cfg, *, count=None, token_weight=None):
+    """PPO's clipped surrogate with clip-higher and dual clip: policy_loss with cfg's knobs."""
+    return policy_loss(logp=logp, old_logp=old_logp, adv=adv, response_mask=response_mask,
+                       clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                       clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
+                       max_response_length=cfg.max_response_length, count=count, token_weight=token_weight)
+
+
+def gspo_policy_loss(logp, old_logp, adv, response_mask, cfg, *, count=None, token_weight=None):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios,
+        s_i = exp(mean_t (logp - old_logp)),   s_it = sg(s_i) * exp(logp_t - sg(logp_t))   (value s_i)
+        loss_it = max(-A s_it, -A clamp(s_it, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    log s_it clamped at 10 (verl). No dual clip. The paper's mean over sequences: loss_agg_mode
+    seq-mean-token-mean (config refuses others)."""
+    adv, mask = per_token(adv, logp), response_mask.to(logp.dtype)
+    d = logp - old_logp
+    seq_d = (d * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    s = (logp - logp.detach() + seq_d.detach()).clamp(max=10.0).exp()
+    l1 = -adv * s
+    l2 = -adv * s.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    loss = weighted_agg(torch.maximum(l1, l2), response_mask, cfg, count, token_weight)
+    return loss, pg_metrics(d, response_mask, clipped=l2 > l1)
+
+
+def cispo_policy_loss(logp, old_logp, adv, response_mask, cfg, *, count=None, token_weight=None):
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio, a constant,
+        r = exp(clamp(logp - old_logp, -20, 20)),   w = sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        loss = -w A logp
+    Every token keeps a gradient, -w A dlogp: the clip bounds its weight instead of dropping it."""
+    adv = per_token(adv, logp)
+    d = (logp - old_logp).clamp(-20, 20)
+    ratio = d.exp()
+    w = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high).detach()
+    loss = weighted_agg(-w * adv * logp, response_mask, cfg, count, token_weight)
+    return loss, pg_metrics(d, response_mask, clipped=ratio != w)
+
+
+def geo_mean_policy_loss(logp, old_logp, adv, response_mask, cfg, *, count=None, token_weight=None):
+    """GMPO (Zhao et al. 2025): one loss per sequence, its mean advantage times the geometric mean of its
+    token ratios, each clipped in log space on the side its advantage makes pessimistic:
+        d_t = logp - old_logp,   e_t = clamp(d_t, -clip_ratio_low, clip_ratio_high)
+        c_t = sgn(A_t) min(sgn(A_t) d_t, sgn(A_t) e_t)
+        loss_i = -mean_t(A_t) exp(mean_t c_t)                  (means over sequence i's response tokens)
+    clip_ratio_low/high bound log r here (the paper: 0.4 each), not r. A token weight enters as its sequence's
+    geometric mean, exp(mean_t log(w_t + 1e-10)). Mean over sequences: loss_agg_mode seq-mean-token-mean
+    (config refuses others)."""
+    adv, mask = per_token(adv, logp), response_mask.to(logp.dtype)
+    n = mask.sum(-1).clamp(min=1)
+    d = logp - old_logp
+    d_clip = d.clamp(-cfg.clip_ratio_low, cfg.clip_ratio_high)
+    sgn = adv.sign()
+    c = sgn * torch.minimum(sgn * d, sgn * d_clip)
+    seq_loss = -(adv * mask).sum(-1) / n * ((c * mask).sum(-1) / n).exp()
+    if token_weight is not None:
+        seq_loss = seq_loss * ((token_weight + 1e-10).log() * mask).sum(-1).div(n).exp()
+    loss = agg_loss(seq_loss[:, None].expand_as(logp), response_mask, cfg.loss_agg_mode,
+                    cfg.max_response_length, count=count)
+    clipped = d != d_clip
+    return loss, pg_metrics(d, response_mask, clipped=clipped & (adv > 0), clipped_lower=clipped & (adv < 0))
+
+
+def sapo_policy_loss(logp, old_logp, adv, response_mask, cfg, *, count=None, token_weight=None):
+    """SAPO (Qwen, arXiv 2511.20347): a smooth gate instead of the hard clip,
+        r = exp(clamp(logp - old_logp, -20, 20)),   tau = tau_pos where A > 0, else tau_neg
+        loss = -A f(r),   f(r) = 4 / tau * sigmoid(tau (r - 1))
+    f'(r) = 4 sigma (1 - sigma): 1 at r = 1 (the vanilla gradient), fading as r leaves 1, faster for a
+    larger tau. The paper's mean over sequences: loss_agg_mode seq-mean-token-mean (config refuses others)."""
+    adv = per_token(adv, logp)
+    d = (logp - old_logp).clamp(-20, 20)
+    tau = torch.where(adv > 0, logp.new_tensor(cfg.tau_pos), logp.new_tensor(cfg.tau_neg))
+    gate = torch.sigmoid(tau * (d.exp() - 1)) * 4 / tau
+    loss = weighted_agg(-adv * gate, response_mask, cfg, count, token_weight)
+    return loss, pg_metrics(d, response_mask)
+
+
+def token_covariance(adv, logp, mask):
+    """cov_t = (A_t - mean A) (logp_t - mean logp), means over the response tokens of mask; a constant."""
+    logp, mask = logp.detach(), mask.to(logp.dtype)
+    mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+    return (adv - mean(adv)) * (logp - mean(logp))
+
+
+def clip_cov_policy_loss(logp, old_logp, adv, response_mask, cfg, *, count=None, token_weight=None):
+    """Clip-Cov (Cui et al. 2025): PPO's clipped surrogate (no dual clip), with the gradient of a few tokens
+    cut:
+    among the tokens the ratio clip left alone whose token_covariance lies in (clip_cov_lb, clip_cov_ub),
+    a random max(1, int(clip_cov_ratio x response tokens)) get loss x 0. Those are the tokens whose
+    covariance drives the entropy down. The choice is over the tokens passed in; config makes them the
+    whole mini-batch (one micro-batch, one data-parallel rank)."""
+    adv, mask = per_token(adv, logp), response_mask > 0
+    d = logp - old_logp
+    ratio = d.exp()
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    cov = token_covariance(adv, logp, mask)
+    candidates = ((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & mask & ~(l2 > l1)).nonzero()
+    n_cut = max(int(cfg.clip_cov_ratio * mask.sum().item()), 1)
+    cut = candidates[torch.randperm(len(candidates))[:n_cut]]
+    keep = torch.ones_like(logp)
+    keep[cut[:, 0], cut[:, 1]] = 0
+    loss = weighted_agg(torch.maximum(l1, l2) * keep, response_mask, cfg, count, token_weight)
+    return loss, pg_metrics(d, response_mask, clipped=keep == 0)
+
+
+def kl_cov_policy_loss(logp, old_logp, adv, response_mask, cfg, *, count=None, token_weight=None):
+    """KL-Cov (Cui et al. 2025): the unclipped surrogate, plus a KL penalty on the
+    max(1, int(kl_cov_ratio x response tokens)) tokens of largest token_covariance:
+        loss_t = -A r + ppo_kl_coef |logp - old_logp|  there,   -A r elsewhere;   r = exp(logp - old_logp)
+    The penalty is 0 where logp = old_logp (config refuses the single on-policy pass). The choice is over the
+    tokens passed in; config makes them the whole mini-batch (one micro-batch, one data-parallel rank)."""
+    adv, mask = per_token(adv, logp), response_mask > 0
+    d = logp - old_logp
+    cov = token_covariance(adv, logp, mask).masked_fill(~mask, -math.inf)
+    k = max(int(cfg.kl_cov_ratio * mask.sum().item()), 1)
+    penalised = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    penalised[cov.flatten().topk(k).indices] = True
+    penalised = penalised.view_as(cov)
+    loss_mat = -adv * d.exp() + cfg.ppo_kl_coef * d.abs() * penalised
+    loss = weighted_agg(loss_mat, response_mask, cfg, count, token_weight)
+    return loss, pg_metrics(d, response_mask, clipped=penalised)
+
+
+POLICY_LOSSES = {"vanilla": vanilla_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss,
+                 "geo_mean": geo_mean_policy_loss, "clip_cov": clip_cov_policy_loss,
+                 "kl_cov": kl_cov_policy_loss, "sapo": sapo_policy_loss}
+LossMode = Literal[tuple(POLICY_LOSSES)]
+SEQUENCE_LOSSES = ("gspo", "geo_mean", "sapo")  # their papers' mean over sequences: seq-mean-token-mean
+COVARIANCE_LOSSES = ("clip_cov", "kl_cov")  # choose tokens over what they are given: the whole mini-batch
+
+
 def truncated_is_weight(old_logp, rollout_logp, cap: float):
     """TIS: min(p_old / p_rollout, cap) per token, a constant (no gradient). Corrects for the rollout engine
     sampling from slightly different probabilities than the trainer computes (bf16 kernels, vLLM vs torch)."""
     return (old_logp - rollout_logp).clamp(max=math.log(cap)).exp().detach()
 
 
-def rollout_rejection_mask(old_logp, rollout_logp, threshold: float):
-    """Token rejection (verl's rollout_rs="token"):
-    1 where p_old / p_rollout is in [1 / threshold, threshold]."""
-    return ((old_logp - rollout_logp).abs() <= math.log(threshold)).float()
+# rollout correction (verl's algorithm.rollout_correction), on the whole training batch once its old log-probs
+# exist: the ratio p_old / p_rollout of the trainer's to the engine's probabilities, at a level
+
+def token_log_ratio(log_ratio, response_mask):
+    """Each token's own log(p_old / p_rollout)."""
+    return log_ratio
+
+
+def sequence_log_ratio(log_ratio, response_mask):
+    """On each token, its sequence's sum over the response: the log of the product of the token ratios."""
+    return log_ratio.masked_fill(response_mask == 0, 0).sum(-1, keepdim=True).expand_as(log_ratio)
+
+
+def geometric_log_ratio(log_ratio, response_mask):
+    """On each token, its sequence's mean over the response: the log of the geometric mean of the token
+    ratios (0 for a sequence without response tokens)."""
+    n = response_mask.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+    return sequence_log_ratio(log_ratio, response_mask) / n
+
+
+LOG_RATIO_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio,
+                    "geometric": geometric_log_ratio}
+RolloutIS = Literal[None, "token", "sequence"]  # rollout_is
+RolloutRS = Literal[None, "token", "sequence", "geometric"]  # rollout_rs
+
+
+def rollout_is_weights(old_logp, rollout_logp, response_mask, level: str, threshold: float,
+                       batch_normalize: bool = False):
+    """Rollout importance weights (verl's rollout_is): the ratio at `level` (token: each token's; sequence:
+    the product over the response, on all its tokens), truncated, a constant:
+        w = min(exp(clamp(level's log ratio, -20, 20)), threshold)          (0 off the response)
+    batch_normalize: w / its mean over the response tokens (token) or the non-empty sequences (sequence), so
+    that the weights average 1; the mean is over what is passed in: the whole training batch. -> [T, R]"""
+    mask = response_mask.to(old_logp.dtype)
+    log_ratio = LOG_RATIO_LEVELS[level](old_logp - rollout_logp, mask)
+    w = (log_ratio.clamp(-20, 20).exp() * mask).clamp(max=threshold).detach()
+    if not batch_normalize:
+        return w
+    if level == "token":
+        mean = (w * mask).sum() / mask.sum().clamp(min=1)
+    else:
+        seqs = mask.sum(-1) > 0
+        mean = ((w * mask).sum(-1)[seqs] / mask.sum(-1)[seqs]).mean()
+    return w / mean if mean > 1e-8 else w
+
+
+def rollout_rs_mask(old_logp, rollout_logp, response_mask, level: str, threshold: float,
+                    threshold_lower: float = -1.0):
+    """Rollout rejection (verl's rollout_rs): 1 where the ratio at `level` (token; sequence: the product over
+    the response; geometric: its geometric mean) lies in [threshold_lower, threshold], else 0 (at the
+    sequence levels, the whole sequence); threshold_lower -1 = 1 / threshold. Compared in log space.
+    -> [T, R]"""
+    log_ratio = LOG_RATIO_LEVELS[level](old_logp - rollout_logp, response_mask)
+    lower = math.log(threshold_lower) if threshold_lower > 0 else -math.log(threshold)
+    return ((log_ratio >= lower) & (log_ratio <= math.log(threshold))).float()
+
+
+def rollout_rs_level(cfg):
+    """rollout_rs; left None with rollout_rs_threshold set, "token" (the threshold's meaning on its own)."""
+    return cfg.rollout_rs or ("token" if cfg.rollout_rs_threshold > 0 else None)
+
+
+def check_algorithm(cfg: Config, world_size: int = 1):
+    """What the chosen loss mode, estimator and rollout correction need of the other knobs: ConfigError naming
+    them, before any work. (world_size: torchrun's ranks, generators included.)"""
+    if cfg.loss_mode in SEQUENCE_LOSSES and cfg.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(f"loss_mode={cfg.loss_mode!r} takes its paper's mean over sequences (verl forces it, "
+                          "whatever loss_agg_mode says): set loss_agg_mode='seq-mean-token-mean'")
+    if cfg.loss_mode in COVARIANCE_LOSSES:
+        whole = cfg.ppo_mini_batch_size * cfg.n
+        trainer_ranks = world_size - cfg.rollout_gpus
+        if trainer_ranks != cfg.tp_size or cfg.use_dynamic_bsz or cfg.ppo_micro_batch_size_per_gpu != whole:
+            raise ConfigError(f"loss_mode={cfg.loss_mode!r} chooses its tokens among those of one forward (verl: "
+                              "per micro-batch and rank), and a micro-batch split must not change the loss: "
+                              "train on one data-parallel rank (sp_size=1), with use_dynamic_bsz=False and "
+                              f"ppo_micro_batch_size_per_gpu = ppo_mini_batch_size * n = {whole}")
+        if cfg.clip_cov_lb >= cfg.clip_cov_ub:
+            raise ConfigError(f"clip_cov_lb={cfg.clip_cov_lb} must be < clip_cov_ub={cfg.clip_cov_ub}")
+    if cfg.loss_mode == "kl_cov" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size:
+        raise ConfigError("loss_mode='kl_cov' penalises |logp - old_logp|, which is 0 on a single on-policy pass "
+                          "(ppo_epochs=1, one mini-batch): set ppo_epochs > 1 or a smaller ppo_mini_batch_size")
+    if cfg.adv_estimator == "grpo_passk" and cfg.n < 2:
+        raise ConfigError("adv_estimator='grpo_passk' rewards the best response of each group: set n >= 2")
+    if cfg.rollout_is is not None and cfg.tis_imp_ratio_cap > 0:
+        raise ConfigError("rollout_is and tis_imp_ratio_cap would multiply two importance weights: keep one "
+                          "(rollout_is='token' with rollout_is_threshold=cap is the same correction, once a batch)")
+    if cfg.rollout_is_batch_normalize and cfg.rollout_is is None:
+        raise ConfigError("rollout_is_batch_normalize=True normalises the weights of rollout_is, which is off: "
+                          "set rollout_is='token' or 'sequence'")
+    if cfg.rollout_rs is not None and cfg.rollout_rs_threshold < 0:
+        raise ConfigError(f"rollout_rs={cfg.rollout_rs!r} rejects by rollout_rs_threshold, which is off (-1): "
+                          "set it, e.g. 2.0")
+    if cfg.rollout_rs_threshold_lower > 0 and cfg.rollout_rs_threshold < 0:
+        raise ConfigError("rollout_rs_threshold_lower is the lower bound of rollout_rs_threshold, which is off "
+                          "(-1): set it too")
 
 
 ASYNC_TIS_CAP = 2.0
 
 
 def tis_cap(cfg) -> float:
-    """tis_imp_ratio_cap; in async mode, left off (-1), ASYNC_TIS_CAP:
+    """tis_imp_ratio_cap; in async mode, left off (-1) and no rollout_is chosen, ASYNC_TIS_CAP:
     stale rollouts always need the correction."""
-    return ASYNC_TIS_CAP if cfg.rollout_gpus and cfg.tis_imp_ratio_cap < 0 else cfg.tis_imp_ratio_cap
+    default = cfg.rollout_gpus and cfg.tis_imp_ratio_cap < 0 and cfg.rollout_is is None
+    return ASYNC_TIS_CAP if default else cfg.tis_imp_ratio_cap
 
 
 def logp_mismatch(trainer_logp, rollout_logp, mask):
@@ -340,7 +712,8 @@ def sync_weights(engine, model, version: int, cfg: Config, dtype: torch.dtype):
 
 def train_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
     # only when something needs them: vLLM then computes them for the whole batch, at a large cost in speed
-    logprobs = cfg.calculate_log_probs or tis_cap(cfg) > 0 or cfg.rollout_rs_threshold > 0
+    correction = tis_cap(cfg) > 0 or cfg.rollout_is is not None or rollout_rs_level(cfg) is not None
+    logprobs = cfg.calculate_log_probs or correction
     return SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_tokens=cfg.max_response_length, stop_token_ids=tokenizer.eos_token_ids,
                           seed=seed, logprobs=logprobs)
@@ -402,13 +775,15 @@ def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dic
         fault_point("gen", step)
         for k, v in c.items():
             counts[k] = counts.get(k, 0) + v
-        traj.seq_final_reward = traj.seq_reward
+        traj.seq_final_reward, kl_penalty = traj.seq_reward, None
         if cfg.use_kl_in_reward:  # seq_final_reward = seq_reward - kl_coef * sum of token KL
             with timed("ref", timing):
                 traj.ref_logp = compute_logprobs(run.ref_model, traj, cfg, run.dims)
                 traj.old_logp = compute_logprobs(run.model, traj, cfg, run.dims)  # kept for step 6
             kl = token_kl(traj.old_logp, traj.ref_logp, cfg.kl_penalty)
             traj.seq_final_reward = traj.seq_reward - cfg.kl_coef * (kl * traj.response_mask).sum(-1)
+            kl_penalty = cfg.kl_coef * kl
+        traj.token_level_rewards = token_level_rewards(traj.seq_reward, traj.response_mask, kl_penalty)
         yield traj
 
 
@@ -670,14 +1045,15 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
                 logp, ent = logp.float(), ent.float()
                 if old_logp is None:
                     old_logp = logp.detach()
-                tis = truncated_is_weight(old_logp, rollout_logp, tis_cap(cfg)) if tis_cap(cfg) > 0 else None
+                weight = None  # rollout correction: the batch's importance weights, or truncated IS here
+                if traj.rollout_is_weights is not None:
+                    weight = traj.rollout_is_weights[mb].to(device)
+                elif tis_cap(cfg) > 0:
+                    weight = truncated_is_weight(old_logp, rollout_logp, tis_cap(cfg))
                 agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length,
                            count=count)
-                pg_loss, m = policy_loss(
-                    logp=logp, old_logp=old_logp, adv=adv, response_mask=mask,
-                    clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                    clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-                    max_response_length=cfg.max_response_length, count=count, token_weight=tis)
+                pg_loss, m = POLICY_LOSSES[cfg.loss_mode](logp, old_logp, adv, mask, cfg, count=count,
+                                                          token_weight=weight)
                 entropy = agg_loss(ent, **agg)
                 # entropy_coeff 0: no entropy backward
                 loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
@@ -719,9 +1095,11 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
 def old_logp_from_update(cfg: Config) -> bool:
     """Can the update's own forward give the old log-probs? Only for one pass (one epoch, one mini-batch) over
     data the current weights just generated, and when nothing needs them before the update: never in
-    asynchronous mode (the generators' weights lag) or with token rejection (it masks tokens by them)."""
+    asynchronous mode (the generators' weights lag) or with rollout correction (its weights and rejection are
+    computed from them over the whole batch)."""
     one_pass = cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size
-    return one_pass and not cfg.rollout_gpus and cfg.rollout_rs_threshold < 0
+    correction = cfg.rollout_is is not None or rollout_rs_level(cfg) is not None
+    return one_pass and not cfg.rollout_gpus and not correction
 
 
 def make_scheduler(optimizer, cfg: Config, total_optimizer_steps: int):
@@ -870,10 +1248,11 @@ def train_step(run: Run, cfg: Config, step: int, version: int, timing: dict,
     if run.rollouts is not None:  # async mode: the generators make the next gen batches while this one trains
         metrics.update(ask_ahead(run, cfg, batch, step, version, timing))
 
-    # 5. advantages from the (final) scalar reward, per group
-    batch.adv = compute_grpo_advantages(batch.seq_final_reward, batch.group_ids, cfg.norm_adv_by_std)
+    # 5. advantages (adv_estimator) from the token-level rewards
+    batch.adv = ADV_ESTIMATORS[cfg.adv_estimator](batch.token_level_rewards, batch.response_mask,
+                                                  batch.group_ids, cfg)
 
-    # 6. old (unless the update's forward gives them) and reference log-probs; optional token rejection
+    # 6. old (unless the update's forward gives them) and reference log-probs; rollout correction
     metrics.update(logprobs_for_update(run, cfg, batch, timing))
     if run.stop.agreed(run.dims):  # the last point where the step can be dropped: the update changes weights
         raise StopRequested
@@ -953,7 +1332,8 @@ def validate_at_start(run: Run, cfg: Config, logger, step: int, val_pending: boo
 
 def logprobs_for_update(run: Run, cfg: Config, batch: Trajectories, timing: dict) -> dict:
     """Step 6 on the training batch: the old log-probs (unless the update's forward gives them), the reference
-    log-probs when the KL loss is on, and token rejection against the engine's log-probs -> metrics."""
+    log-probs when the KL loss is on, and the rollout correction against the engine's log-probs (importance
+    weights, then rejection, both over the whole batch) -> metrics."""
     metrics = {}
     with timed("old_log_prob", timing):
         if batch.old_logp is None and not old_logp_from_update(cfg):
@@ -961,8 +1341,15 @@ def logprobs_for_update(run: Run, cfg: Config, batch: Trajectories, timing: dict
     if batch.old_logp is not None and not batch.rollout_logp.isnan().any():
         metrics["rollout/logp_mismatch"] = logp_mismatch(batch.old_logp, batch.rollout_logp,
                                                          batch.response_mask)
-    if cfg.rollout_rs_threshold > 0:
-        keep = rollout_rejection_mask(batch.old_logp, batch.rollout_logp, cfg.rollout_rs_threshold)
+    if cfg.rollout_is is not None:  # on the response tokens before rejection, as verl
+        batch.rollout_is_weights = rollout_is_weights(batch.old_logp, batch.rollout_logp, batch.response_mask,
+                                                      cfg.rollout_is, cfg.rollout_is_threshold,
+                                                      cfg.rollout_is_batch_normalize)
+        metrics["rollout/is_mean"] = token_mean(batch.rollout_is_weights, batch.response_mask)
+    level = rollout_rs_level(cfg)
+    if level is not None:
+        keep = rollout_rs_mask(batch.old_logp, batch.rollout_logp, batch.response_mask, level,
+                               cfg.rollout_rs_threshold, cfg.rollout_rs_threshold_lower)
         metrics["rollout/rs_masked_frac"] = 1 - token_mean(keep, batch.response_mask)
         batch.response_mask = batch.response_mask * keep
     if cfg.use_kl_loss:

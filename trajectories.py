@@ -36,13 +36,17 @@ class Trajectories:
     seq_reward: torch.Tensor  # [T] score + overlong penalty
     # [T] seq_reward - kl_coef * KL (use_kl_in_reward), else seq_reward
     seq_final_reward: torch.Tensor | None = None
+    # [T, R] verl's token-level rewards: seq_reward on the last response token, minus kl_coef * token KL on
+    # every response token (use_kl_in_reward); what the advantage estimators read
+    token_level_rewards: torch.Tensor | None = None
     # [T, R] the policy version whose weights sampled each response token (after a partial rollout's weight
     # update, the rest of a response comes from the newer version; padding: the version asked for); the
     # colocated loop drops it (every token there is the step's version)
     versions: torch.Tensor | None = None
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
-    adv: torch.Tensor | None = None
+    adv: torch.Tensor | None = None  # [T] or [T, R], as the advantage estimator gives it
+    rollout_is_weights: torch.Tensor | None = None  # [T, R] rollout importance weights (rollout_is)
     response_texts: list[str] | None = None  # decoded responses, as scored
     # [T] bool: the built-in verifier parsed an answer (None: a reward_fn)
     answer_found: torch.Tensor | None = None

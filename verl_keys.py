@@ -184,20 +184,12 @@ def reward_fn(v, given, key):
     return {"reward_fn": f"{os.path.expanduser(path)}:{given.get('custom_reward_function.name', 'compute_score')}"}
 
 
-def rollout_is(v, given, key):
-    if is_off(v):
-        return {}
-    if v != "token":
-        raise Refused(f"rollout_is={v!r}: only token-level truncated IS (token)", "tis_imp_ratio_cap")
-    return {"tis_imp_ratio_cap": given.get("algorithm.rollout_correction.rollout_is_threshold", 2.0)}
-
-
-def rollout_rs(v, given, key):
-    if is_off(v):
-        return {}
-    if v != "token":
-        raise Refused(f"rollout_rs={v!r}: only token-level rejection (token)", "rollout_rs_threshold")
-    return {"rollout_rs_threshold": given.get("algorithm.rollout_correction.rollout_rs_threshold", 2.0)}
+def rollout_rs_threshold(v, given, key):
+    """A number (the upper bound; the lower is its inverse), or verl's newer "lower_upper" string."""
+    if isinstance(v, str) and "_" in v:
+        lower, _, upper = v.partition("_")
+        return {"rollout_rs_threshold": float(upper), "rollout_rs_threshold_lower": float(lower)}
+    return {"rollout_rs_threshold": -1.0 if v is None else float(v)}
 
 
 def vllm_kwarg(v, given, key):
@@ -308,8 +300,15 @@ VERL_KEYS = {
     A + "clip_ratio_low": same("clip_ratio_low"),
     A + "clip_ratio_high": same("clip_ratio_high", "verl's default 0.2, nanodapo's 0.28"),
     A + "clip_ratio_c": same("clip_ratio_c", "verl's default 3.0, nanodapo's 10.0"),
-    A + "policy_loss.loss_mode": only(("vanilla",), "the clipped PPO loss with dual clip (clip_ratio_c)"),
-    A + "policy_loss.*": noop("used only by loss modes other than vanilla"),
+    A + "policy_loss.loss_mode": choice("loss_mode", {m: m for m in (
+        "vanilla", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov", "sapo")}, "ALGORITHM.md 3a"),
+    A + "policy_loss.clip_cov_ratio": same("clip_cov_ratio"),
+    A + "policy_loss.clip_cov_lb": same("clip_cov_lb"),
+    A + "policy_loss.clip_cov_ub": same("clip_cov_ub"),
+    A + "policy_loss.kl_cov_ratio": same("kl_cov_ratio"),
+    A + "policy_loss.ppo_kl_coef": same("ppo_kl_coef"),
+    A + "policy_loss.tau_pos": same("tau_pos"),
+    A + "policy_loss.tau_neg": same("tau_neg"),
     A + "loss_agg_mode": same("loss_agg_mode"),
     A + "use_token_level_loss": to("loss_agg_mode", lambda v: "token-mean" if v else "seq-mean-token-mean",
                                    "verl's old key: True -> token-mean, False -> seq-mean-token-mean"),
@@ -460,9 +459,11 @@ VERL_KEYS = {
     "custom_reward_function.overlong_buffer.penalty_factor": same("overlong_penalty_factor"),
     "custom_reward_function.overlong_buffer.log": noop("the overlong penalty is always logged"),
     # algorithm
-    "algorithm.adv_estimator": only(("grpo",), "GRPO group advantages are the estimator (no critic for gae)"),
+    "algorithm.adv_estimator": choice("adv_estimator", {m: m for m in (
+        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk")},
+                                      "ALGORITHM.md 3b (no critic: no gae)"),
     "algorithm.norm_adv_by_std_in_grpo": same("norm_adv_by_std", "False = Dr.GRPO"),
-    "algorithm.gamma": noop("GRPO does not discount (verl's grpo ignores it too)"),
+    "algorithm.gamma": same("gamma", "reinforce_plus_plus's discount (the other estimators ignore it)"),
     "algorithm.lam": noop("GRPO has no GAE (verl's grpo ignores it too)"),
     "algorithm.use_kl_in_reward": same("use_kl_in_reward"),
     "algorithm.kl_penalty": kl_type("kl_penalty"),
@@ -477,15 +478,16 @@ VERL_KEYS = {
                                          "acc / score / seq_reward / seq_final_reward"),
     "algorithm.filter_groups.max_num_gen_batches": to("max_num_gen_batches", non_positive_is(0, ""),
                                                       "non-positive = no limit, as in verl"),
-    "algorithm.rollout_correction.rollout_is": Rule("set", ("tis_imp_ratio_cap",),
-                                                    "token -> tis_imp_ratio_cap = rollout_is_threshold",
-                                                    rollout_is),
-    "algorithm.rollout_correction.rollout_is_threshold": Rule("set", ("tis_imp_ratio_cap",),
-                                                              "with rollout_is=token", lambda v, g, k: {}),
-    "algorithm.rollout_correction.rollout_rs": Rule("set", ("rollout_rs_threshold",),
-                                                    "token -> rollout_rs_threshold", rollout_rs),
-    "algorithm.rollout_correction.rollout_rs_threshold": Rule("set", ("rollout_rs_threshold",),
-                                                              "with rollout_rs=token", lambda v, g, k: {}),
+    "algorithm.rollout_correction.rollout_is": same("rollout_is", "token / sequence; null = off"),
+    "algorithm.rollout_correction.rollout_is_threshold": same("rollout_is_threshold"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": same("rollout_is_batch_normalize"),
+    "algorithm.rollout_correction.rollout_rs": choice("rollout_rs", {
+        None: None, "token": "token", "sequence": "sequence", "geometric": "geometric", "token_k1": "token",
+        "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}),
+    "algorithm.rollout_correction.rollout_rs_threshold": Rule(
+        "set", ("rollout_rs_threshold", "rollout_rs_threshold_lower"),
+        'a number, or verl\'s "lower_upper" string', rollout_rs_threshold),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": same("rollout_rs_threshold_lower"),
     # trainer
     "trainer.total_epochs": same("total_epochs"),
     "trainer.total_training_steps": to("total_training_steps", lambda v: v or 0, "null -> 0 (from epochs)"),

@@ -157,8 +157,9 @@ def test_rounds_ahead_leave_none_out_at_a_checkpoint(save_freq, total, step, exp
 def test_rejection_mask_and_the_async_tis_default():
     old = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.9)]])
     rollout = torch.tensor([[math.log(0.2), math.log(0.3), math.log(0.4)]])  # ratios 2.5, 1, 2.25
-    assert T.rollout_rejection_mask(old, rollout, 2.4).tolist() == [[0.0, 1.0, 1.0]]
-    assert T.rollout_rejection_mask(rollout, old, 2.4).tolist() == [[0.0, 1.0, 1.0]]  # 1 / ratio: the lower bound
+    mask = torch.ones(1, 3)
+    assert T.rollout_rs_mask(old, rollout, mask, "token", 2.4).tolist() == [[0.0, 1.0, 1.0]]
+    assert T.rollout_rs_mask(rollout, old, mask, "token", 2.4).tolist() == [[0.0, 1.0, 1.0]]  # 1 / ratio: lower bound
     assert T.tis_cap(T.Config(rollout_gpus=1)) == 2.0
     assert T.tis_cap(T.Config(rollout_gpus=1, tis_imp_ratio_cap=3.0)) == 3.0
     assert T.tis_cap(T.Config()) == -1.0  # colocated: off unless asked for

@@ -233,7 +233,7 @@ def test_validation_keys_never_touch_training_knobs():
 
 
 @pytest.mark.parametrize("key, value, reason", [
-    ("algorithm.adv_estimator", "gae", "GRPO group advantages"),
+    ("algorithm.adv_estimator", "gae", "not one of verl's values nanodapo has: grpo, rloo"),
     ("actor_rollout_ref.actor.strategy", "megatron", "no Megatron backend"),
     ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "2", "no Megatron backend"),
     ("actor_rollout_ref.rollout.name", "sglang", "nanodapo: rollout_engine"),

@@ -192,6 +192,113 @@ def test_each_optimizer_step_takes_the_gradient_of_the_dapo_objective(case):
         assert want[0]["norm"] > 2 * cfg.grad_clip  # the clip is active
 
 
+
+# -----------------------------------------------------------------------------
+# the menu: each loss mode, advantage estimator and rollout-correction weight through update_policy
+
+SEQ = dict(loss_agg_mode="seq-mean-token-mean")  # gspo, geo_mean, sapo: their papers' aggregation
+ONE_MICRO = dict(ppo_micro_batch_size_per_gpu=6)  # clip_cov, kl_cov: one micro-batch per mini-batch
+# name: (Config overrides, how adv is made: None = designed_batch's ADV, or an adv_estimator's name)
+MENU_CASES = {
+    "gspo": (dict(loss_mode="gspo", **SEQ), None),
+    "gspo_mini_batches": (dict(loss_mode="gspo", **SEQ, **ONE_EACH, ppo_epochs=2), None),
+    "cispo": (dict(loss_mode="cispo"), None),
+    "cispo_seq-mean-token-sum-norm": (dict(loss_mode="cispo", loss_agg_mode="seq-mean-token-sum-norm"), None),
+    "geo_mean": (dict(loss_mode="geo_mean", **SEQ, clip_ratio_low=0.4, clip_ratio_high=0.4), None),
+    "sapo": (dict(loss_mode="sapo", **SEQ, tau_pos=1.5, tau_neg=4.0), None),
+    "clip_cov": (dict(loss_mode="clip_cov", **ONE_MICRO, clip_cov_ratio=1.0, clip_cov_lb=-0.5,
+                      clip_cov_ub=0.5), None),
+    "kl_cov": (dict(loss_mode="kl_cov", **ONE_MICRO, kl_cov_ratio=0.25, ppo_kl_coef=0.5), None),
+    "kl_cov_mini_batches": (dict(loss_mode="kl_cov", ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=2,
+                                 ppo_epochs=2, kl_cov_ratio=0.25, ppo_kl_coef=0.5), None),
+    "rollout_is_token": (dict(rollout_is="token", rollout_is_threshold=2.0), None),
+    "rollout_is_sequence": (dict(rollout_is="sequence", rollout_is_threshold=2.0), None),
+    "rollout_is_token_batch_normalize": (dict(rollout_is="token", rollout_is_threshold=2.0,
+                                              rollout_is_batch_normalize=True), None),
+    "rollout_is_sequence_batch_normalize_sapo": (dict(rollout_is="sequence", rollout_is_threshold=2.0,
+                                                      rollout_is_batch_normalize=True, loss_mode="sapo",
+                                                      tau_pos=1.5, tau_neg=4.0, **SEQ), None),
+    "rollout_is_token_geo_mean": (dict(rollout_is="token", rollout_is_threshold=2.0, loss_mode="geo_mean",
+                                       **SEQ), None),
+}
+MENU_CASES.update({f"adv_{name}": (dict(adv_estimator=name, gamma=0.9), name) for name in T.ADV_ESTIMATORS})
+# per trajectory: the sequence reward, and kl_coef x token KL on every response token (use_kl_in_reward)
+SEQ_REWARD = [1.0, -1.0, 0.5, 0.5, 2.0, -0.5]
+TOKEN_KL = [0.05, -0.1, 0.2, 0.0, -0.15, 0.12, 0.3]
+
+
+def menu_batch(model, cfg, estimator):
+    """designed_batch, with the advantages of `estimator` (both from train_dapo and from the reference) and the
+    rollout-correction weights logprobs_for_update would add. -> (traj, reference adv, reference weights)"""
+    traj = designed_batch(model, cfg, False, False)
+    mask = traj.response_mask
+    want_adv = traj.adv.double()
+    if estimator is not None:
+        kl = torch.tensor([[TOKEN_KL[(i + j) % len(TOKEN_KL)] for j in range(mask.shape[1])]
+                           for i in range(len(mask))]) * mask
+        rewards = T.token_level_rewards(torch.tensor(SEQ_REWARD), mask, kl)
+        traj.adv = T.ADV_ESTIMATORS[estimator](rewards, mask, traj.group_ids, cfg)
+        want_adv = ref.reference_advantages(estimator, rewards.double(), mask, traj.group_ids, cfg)
+    traj.rollout_is_weights, want_w = None, None
+    if cfg.rollout_is is not None:
+        traj.rollout_is_weights = T.rollout_is_weights(traj.old_logp, traj.rollout_logp, mask, cfg.rollout_is,
+                                                       cfg.rollout_is_threshold, cfg.rollout_is_batch_normalize)
+        want_w = ref.reference_is_weights(traj.old_logp, traj.rollout_logp, mask, cfg.rollout_is,
+                                          cfg.rollout_is_threshold, cfg.rollout_is_batch_normalize)
+    return traj, want_adv, want_w
+
+
+def menu_reference_steps(model, traj, cfg, adv, weight) -> list[dict]:
+    """reference_steps with menu_objective: each optimizer step's loss terms and gradient (clipped)."""
+    params = list(model.parameters())
+    size = cfg.ppo_mini_batch_size * cfg.n
+    steps = []
+    for _ in range(cfg.ppo_epochs):
+        for start in range(0, len(traj), size):
+            idx = list(range(start, start + size))
+            logp, entropy = ref.batch_logprobs(model, [traj.prompt_ids[i] for i in idx],
+                                               [traj.response_ids[i] for i in idx], cfg.max_response_length,
+                                               cfg.temperature)
+            terms = ref.menu_objective(logp=logp, entropy=entropy, old_logp=traj.old_logp[idx].double(),
+                                       adv=adv[idx], mask=traj.response_mask[idx].double(), cfg=cfg,
+                                       weight=None if weight is None else weight[idx])
+            grad = flat(torch.autograd.grad(terms["loss"], params, allow_unused=True), params)
+            norm = grad.norm().item()
+            if norm > cfg.grad_clip:
+                grad = grad * cfg.grad_clip / (norm + 1e-6)
+            steps.append({"grad": grad, "norm": norm, **{k: v.item() for k, v in terms.items()}})
+    return steps
+
+
+@pytest.mark.parametrize("case", list(MENU_CASES))
+def test_each_loss_mode_estimator_and_rollout_weight_is_the_gradient_update_policy_takes(case):
+    over, estimator = MENU_CASES[case]
+    cfg = T.Config(**{**BASE, **over})
+    model = tiny_policy()
+    traj, adv, weight = menu_batch(model, cfg, estimator)
+    want = menu_reference_steps(model, traj, cfg, adv, weight)
+    got, metrics = update_steps(model, traj, cfg)
+
+    scale = max(s["grad"].abs().max().item() for s in want)
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):  # the policy's log-prob head runs in fp32
+        torch.testing.assert_close(g, w["grad"], rtol=1e-4, atol=1e-5 * scale, msg=f"optimizer step {k}")
+    assert float(metrics["actor/pg_loss"]) == pytest.approx(sum(s["pg_loss"] for s in want) / len(want),
+                                                            rel=1e-5)
+    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):  # every mode logs verl's columns
+        assert f"actor/{key}" in metrics
+    # the case exercises its knob: its gradient differs from plain DAPO's (vanilla, GRPO, no weights)
+    base = T.Config(**{**BASE, **{k: v for k, v in over.items() if k in ("ppo_mini_batch_size", "ppo_epochs",
+                                                                         "ppo_micro_batch_size_per_gpu")}})
+    plain_traj, plain_adv, _ = menu_batch(model, base, None)
+    plain = menu_reference_steps(model, plain_traj, base, plain_adv, None)
+    assert max((w["grad"] - p["grad"]).abs().max().item() for w, p in zip(want, plain)) > 1e-2 * scale
+
+
+def test_vanilla_grpo_and_no_rollout_correction_are_the_defaults():
+    cfg = T.Config()
+    assert (cfg.loss_mode, cfg.adv_estimator, cfg.rollout_is, cfg.rollout_rs) == ("vanilla", "grpo", None, None)
+
 # -----------------------------------------------------------------------------
 # the loop: the batch update_policy is given, from the rollout of the demo model
 
@@ -247,6 +354,13 @@ LOOP_CASES = {  # name: (Config overrides, steps, engine log-probs skewed)
     "token_rejection": (dict(rollout_rs_threshold=2.0), 1, True),
     "everything": (dict(**KL_IN_REWARD, rollout_rs_threshold=2.0, tis_imp_ratio_cap=2.0, use_kl_loss=True,
                         ppo_epochs=2, ppo_mini_batch_size=2), 2, True),
+    "rloo_kl_in_reward": (dict(**KL_IN_REWARD, adv_estimator="rloo"), 2, False),
+    "reinforce_plus_plus_kl_in_reward": (dict(**KL_IN_REWARD, adv_estimator="reinforce_plus_plus", gamma=0.9),
+                                         2, False),
+    "sequence_rejection": (dict(rollout_rs="sequence", rollout_rs_threshold=2.0), 1, True),
+    "geometric_rejection_sequence_is": (dict(rollout_rs="geometric", rollout_rs_threshold=1.2,
+                                             rollout_is="sequence", rollout_is_threshold=3.0,
+                                             rollout_is_batch_normalize=True), 1, True),
 }
 
 
@@ -284,15 +398,34 @@ def test_the_loop_hands_the_update_final_rewards_advantages_and_mask(case, tmp_p
         if cfg.use_kl_in_reward:
             final = [r - cfg.kl_coef * k for r, k in zip(seq_reward, kl_sum)]
         assert b.seq_final_reward.tolist() == pytest.approx(final, abs=1e-4)
-        # step 5: advantages of the final reward, per group
-        adv = ref.grpo_advantages(final, groups, cfg.norm_adv_by_std)
-        assert b.adv.tolist() == pytest.approx(adv, abs=1e-3)
+        # step 5: advantages (adv_estimator) of the token-level rewards: the reward on the last response token,
+        # minus kl_coef x token KL on every response token with use_kl_in_reward
+        last = torch.zeros_like(mask)
+        last[range(len(mask)), [len(r) - 1 for r in b.response_ids]] = 1
+        rewards = last * torch.tensor(seq_reward, dtype=torch.float64)[:, None]
+        if cfg.use_kl_in_reward:
+            rewards = rewards - cfg.kl_coef * ref.kl(old, ref_logp, cfg.kl_penalty) * mask
+        adv = ref.reference_advantages(cfg.adv_estimator, rewards, mask, b.group_ids, cfg)
+        assert torch.allclose(b.adv.double(), adv, atol=1e-3)
+        adv = adv.tolist()
         # step 6: old log-probs of the generating policy; left to the update's own forward only on one pass
-        # over the batch that nothing before the update needs them for (the in-reward KL and rejection do)
+        # over the batch that nothing before the update needs them for (the in-reward KL and the rollout
+        # correction do)
         one_pass = cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == cfg.train_batch_size
-        assert (b.old_logp is None) == (one_pass and t < 0 and not cfg.use_kl_in_reward)
-        # token rejection: a token stays in the loss only where p_old / p_rollout is in [1/t, t]
-        keep = mask * ((old - b.rollout_logp.double()).abs() <= math.log(t)) if t > 0 else mask
+        correction = t > 0 or cfg.rollout_is is not None
+        assert (b.old_logp is None) == (one_pass and not correction and not cfg.use_kl_in_reward)
+        # rollout correction: importance weights on the response tokens, then rejection: a token (a sequence,
+        # at the sequence levels) stays in the loss only where its p_old / p_rollout is in [1/t, t]
+        log_ratio = (old - b.rollout_logp.double()) * mask
+        if cfg.rollout_is is not None:
+            want = ref.reference_is_weights(old, b.rollout_logp.double(), mask, cfg.rollout_is,
+                                            cfg.rollout_is_threshold, cfg.rollout_is_batch_normalize)
+            assert torch.allclose(b.rollout_is_weights.double(), want, rtol=1e-4, atol=1e-6)
+        if cfg.rollout_rs == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+        elif cfg.rollout_rs == "geometric":
+            log_ratio = (log_ratio.sum(-1) / mask.sum(-1))[:, None].expand_as(mask)
+        keep = mask * (log_ratio.abs() <= math.log(t)) if t > 0 else mask
         assert torch.equal(b.response_mask.double(), keep)
         if b.old_logp is not None:  # on the loss's tokens (a pass after the rejection leaves 0 on the others)
             assert ((b.old_logp.double() - old) * keep).abs().max() < 1e-4
@@ -301,7 +434,8 @@ def test_the_loop_hands_the_update_final_rewards_advantages_and_mask(case, tmp_p
 
     # what the case is there to test happens in its last step
     plain = ref.grpo_advantages(b.score.tolist(), groups, cfg.norm_adv_by_std)
-    assert max(abs(x - y) for x, y in zip(adv, plain)) > 0.05  # shaping and KL move the advantages
+    adv = [a[0] if isinstance(a, list) else a for a in adv]  # a token-level estimator: its first token
+    assert max(abs(x - y) for x, y in zip(adv, plain)) > 0.05  # shaping, KL and estimators move them
     if cfg.use_kl_in_reward:
         assert max(abs(k) for k in kl_sum) > 0.01
     if t > 0:
