@@ -3,6 +3,7 @@ Preparing and inspecting data in verl's parquet schema (the training path reads 
 
     python tools/prepare_data.py make-arith data/arith --train 4000 --val 200   # the CPU demo task
     python tools/prepare_data.py make-fewshot-arith data/fewshot_arith          # the SmolLM2 recipe's task
+    python tools/prepare_data.py make-fewshot-sums data/fewshot_sums   # the SmolLM2 task with worked steps
     python tools/prepare_data.py prepare-gsm8k RAW_DIR data/gsm8k   # raw GSM8K (HF or openai jsonl) -> verl's rows
     python tools/prepare_data.py jsonl2parquet IN.jsonl OUT.parquet        # one JSON row per line
     python tools/prepare_data.py inspect data/gsm8k/train.parquet --tokenizer MODEL_DIR --max_prompt_length 512
@@ -76,6 +77,74 @@ def make_fewshot_arith_rows(num_rows, split, seed=0, one_digit_prob=0.3):
                      "prompt": shots + [{"role": "user", "content": f"What is {a} + {b}?"}],
                      "ability": "arith", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
                      "extra_info": {"split": split, "index": len(rows)}})
+    return rows
+
+
+# sums of several numbers, each step written out before the answer: a task whose responses run to tens of tokens
+# (SmolLM2-135M-Instruct's: 42 on average), so token- vs sequence-level losses and overlong shaping have lengths
+# to act on. The six solved examples before every question: three to five terms, mostly one-digit.
+FEWSHOT_SUMS = ((7, 5, 8), (3, 9, 4, 6), (12, 7, 30), (6, 2, 9, 5, 8), (4, 18, 7, 3), (9, 6, 25, 1, 7))
+
+
+def sum_steps(terms) -> str:
+    """The worked solution: one line per addition of the running total and the next term, then the answer line
+    DAPO's verifier reads. (12, 7, 30) -> "12 + 7 = 19\\n19 + 30 = 49\\nAnswer: 49"."""
+    if len(terms) < 2:
+        raise DataError(f"a sum needs at least two terms, got {list(terms)}")
+    lines, total = [], terms[0]
+    for t in terms[1:]:
+        lines.append(f"{total} + {t} = {total + t}")
+        total += t
+    return "\n".join(lines + [f"Answer: {total}"])
+
+
+def sums_question(terms) -> str:
+    return "What is " + " + ".join(map(str, terms)) + "?"
+
+
+def sums_split(terms) -> str:
+    """Which split the sum of these terms, in this order, belongs to: a stable hash puts ~15% of them in val."""
+    return "val" if zlib.crc32("+".join(map(str, terms)).encode()) % 100 < 15 else "train"
+
+
+def sums_fewshot_messages() -> list[dict]:
+    """The solved examples that open every prompt of the sums task."""
+    shots = []
+    for terms in FEWSHOT_SUMS:
+        shots += [{"role": "user", "content": sums_question(terms)},
+                  {"role": "assistant", "content": sum_steps(terms)}]
+    return shots
+
+
+def make_fewshot_sums_rows(num_rows, split, seed=0, min_terms=3, max_terms=4, one_digit_prob=1.0):
+    """Sums of min_terms..max_terms one- and two-digit numbers as a chat with worked examples (FEWSHOT_SUMS)
+    before the question, answered with the running total step by step and a last line "Answer: N"
+    (data_source math_dapo, DAPO's verifier). Each term has one digit with probability one_digit_prob; the
+    number of terms is uniform. Train and val never share a problem (sums_split); the examples are in neither.
+    Val rows are distinct problems (train rows may repeat one)."""
+    if not 2 <= min_terms <= max_terms:
+        raise DataError(f"need 2 <= min_terms <= max_terms, got min_terms={min_terms}, max_terms={max_terms}")
+    if not 0 <= one_digit_prob <= 1:
+        raise DataError(f"one_digit_prob={one_digit_prob} is not a probability")
+    if split not in ("train", "val"):
+        raise DataError(f"split={split!r}; use 'train' or 'val'")
+    rng = np.random.default_rng(seed)
+    shots = sums_fewshot_messages()
+    rows, seen, misses = [], set(), 0
+    while len(rows) < num_rows:
+        k = int(rng.integers(min_terms, max_terms + 1))
+        terms = tuple(random_operand(rng, one_digit_prob) for _ in range(k))
+        if sums_split(terms) != split or terms in FEWSHOT_SUMS or (split == "val" and terms in seen):
+            misses += 1
+            if misses > 100 * num_rows + 10000:
+                raise DataError(f"found only {len(rows)} distinct {split} problems of {num_rows}: ask for "
+                                f"fewer rows, or more terms or two-digit ones (max_terms, one_digit_prob)")
+            continue
+        seen.add(terms)
+        rows.append({"data_source": "math_dapo",
+                     "prompt": shots + [{"role": "user", "content": sums_question(terms)}],
+                     "ability": "arith", "reward_model": {"style": "rule", "ground_truth": str(sum(terms))},
+                     "extra_info": {"split": split, "index": len(rows), "terms": list(terms)}})
     return rows
 
 
@@ -204,6 +273,14 @@ def main(argv=None):
     p.add_argument("--train", type=int, default=20000, help="train rows")
     p.add_argument("--val", type=int, default=256, help="val rows")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("make-fewshot-sums", help="write the worked-sums task: OUT_DIR/{train,val}.parquet")
+    p.add_argument("out_dir")
+    p.add_argument("--train", type=int, default=20000, help="train rows")
+    p.add_argument("--val", type=int, default=256, help="val rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min_terms", type=int, default=3)
+    p.add_argument("--max_terms", type=int, default=4)
+    p.add_argument("--one_digit_prob", type=float, default=1.0, help="chance that a term has one digit")
     p = sub.add_parser("prepare-gsm8k", help="raw GSM8K -> OUT_DIR/{train,test}.parquet, as verl")
     p.add_argument("raw", help="a folder with the train and test splits, or one raw split file")
     p.add_argument("out_dir")
@@ -229,6 +306,13 @@ def main(argv=None):
         for split, n in (("train", args.train), ("val", args.val)):
             path = os.path.join(args.out_dir, f"{split}.parquet")
             write_parquet(make_fewshot_arith_rows(n, split, seed=args.seed), path)
+            print(f"wrote {n} {split} rows to {path}")
+    elif args.cmd == "make-fewshot-sums":
+        for split, n in (("train", args.train), ("val", args.val)):
+            path = os.path.join(args.out_dir, f"{split}.parquet")
+            write_parquet(make_fewshot_sums_rows(n, split, seed=args.seed, min_terms=args.min_terms,
+                                                 max_terms=args.max_terms, one_digit_prob=args.one_digit_prob),
+                          path)
             print(f"wrote {n} {split} rows to {path}")
     elif args.cmd == "prepare-gsm8k":
         if os.path.isfile(args.raw):  # one split file: its name says which
