@@ -27,8 +27,9 @@
 # On one H200 (2026-12-06, twelve runs sharing it, the built-in engine, bf16, 128 held-out problems, the lab command
 # of README "Ablations" with --val_max_samples=128 --gradient_checkpointing=True --ppo_micro_batch_size_per_gpu=16
 # --max_num_seqs=256): val/acc 0.062-0.078 at step 0 -> 0.59-0.60 at step 20 -> 0.83-0.85 at step 30 (2 seeds),
-# response length falling from ~40 tokens at step 1 to ~28 at step 30, 2% of responses a step reaching max_response_length. Not yet
-# measured: a run that has the GPU to itself (step time, memory against --dry_run's plan), and vLLM.
+# response length falling from ~40 tokens at step 1 to ~28 at step 30, 2% of responses a step reaching
+# max_response_length. Not yet measured: a run that has the GPU to itself (step time, memory against
+# --dry_run's plan), and vLLM.
 model_path = "models/smollm2-135m-instruct"
 train_files = ["data/fewshot_sums/train.parquet"]
 val_files = ["data/fewshot_sums/val.parquet"]
