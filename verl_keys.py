@@ -53,25 +53,24 @@ def parse_value(raw: str):
 
 
 def split_top(s: str) -> list[str]:
-    """Split a list's or dict's inside at its top-level commas ('' -> [])."""
+    """Split at the commas outside brackets and quotes, each item stripped ('' -> [];
+    "0.1,(0.9, 0.99),'a,b'" -> ["0.1", "(0.9, 0.99)", "'a,b'"]; an empty item stays, as '')."""
     parts, depth, quote, cur = [], 0, None, ""
     for c in s:
         if quote:
             quote = None if c == quote else quote
         elif c in "'\"":
             quote = c
-        elif c in "[{":
+        elif c in "([{":
             depth += 1
-        elif c in "]}":
+        elif c in ")]}":
             depth -= 1
         elif c == "," and depth == 0:
             parts.append(cur)
             cur = ""
             continue
         cur += c
-    if cur.strip():
-        parts.append(cur)
-    return [x.strip() for x in parts]
+    return [x.strip() for x in parts + [cur]] if s.strip() else []
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,7 @@ sys.path.insert(0, ROOT)
 
 import train_dapo as T  # noqa: E402
 from config import ConfigError, check_config  # noqa: E402
+from verl_keys import split_top  # noqa: E402
 from tools import plot  # noqa: E402
 
 # keys the lab sets itself, and what to use instead
@@ -76,27 +77,6 @@ class LabError(ValueError):
 # arms and seeds
 
 
-def split_values(text: str) -> list[str]:
-    """Split on the commas outside brackets and quotes:
-    "0.1,(0.9, 0.99),'a,b'" -> ["0.1", "(0.9, 0.99)", "'a,b'"]."""
-    out, depth, quote, cur = [], 0, None, ""
-    for ch in text:
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-            continue
-        cur += ch
-    return out + [cur]
-
-
 def parse_arm_spec(spec: str) -> tuple[str, list[str]]:
     """"KEY=V1,V2" -> (KEY, [V1, V2]), the key checked against Config's fields."""
     key, eq, values = spec.partition("=")
@@ -105,7 +85,7 @@ def parse_arm_spec(spec: str) -> tuple[str, list[str]]:
         raise LabError(f"--arms {spec!r}: write KEY=V1,V2,... "
                        f"(e.g. --arms loss_agg_mode=token-mean,seq-mean-token-mean)")
     check_key(key)
-    values = [v.strip() for v in split_values(values)]
+    values = split_top(values)
     if any(not v for v in values):
         raise LabError(f"--arms {spec!r}: an empty value; write KEY=V1,V2,... without empty items")
     if len(set(values)) < len(values):

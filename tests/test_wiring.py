@@ -138,23 +138,29 @@ def update_steps(model, traj, cfg: T.Config):
     return opt.grads, metrics
 
 
-def reference_steps(model, traj, cfg: T.Config) -> list[dict]:
+def reference_steps(model, traj, cfg: T.Config, objective=None) -> list[dict]:
     """For each optimizer step (ppo_epochs x mini-batches of ppo_mini_batch_size x n trajectories, in order):
-    the reference objective's terms, its gradient (clipped to grad_clip) and the norm before clipping."""
+    the reference objective's terms, its gradient (clipped to grad_clip) and the norm before clipping.
+    objective(idx, logp, entropy) -> the terms of the mini-batch idx; None: the DAPO objective (ref.dapo_objective)
+    of traj's own advantages and log-probs."""
+    def dapo(idx, logp, entropy):
+        pick = lambda x: x[idx].double()  # noqa: E731
+        old = logp.detach() if traj.old_logp is None else pick(traj.old_logp)
+        return ref.dapo_objective(logp=logp, entropy=entropy, old_logp=old, adv=pick(traj.adv),
+                                  mask=pick(traj.response_mask), cfg=cfg, ref_logp=pick(traj.ref_logp),
+                                  rollout_logp=pick(traj.rollout_logp))
+
+    objective = objective or dapo
     params = list(model.parameters())
     size = cfg.ppo_mini_batch_size * cfg.n
     steps = []
     for _ in range(cfg.ppo_epochs):
         for start in range(0, len(traj), size):
             idx = list(range(start, start + size))
-            pick = lambda x: x[idx].double()  # noqa: E731
             logp, entropy = ref.batch_logprobs(model, [traj.prompt_ids[i] for i in idx],
                                                [traj.response_ids[i] for i in idx], cfg.max_response_length,
                                                cfg.temperature)
-            old = logp.detach() if traj.old_logp is None else pick(traj.old_logp)
-            terms = ref.dapo_objective(logp=logp, entropy=entropy, old_logp=old, adv=pick(traj.adv),
-                                       mask=pick(traj.response_mask), cfg=cfg, ref_logp=pick(traj.ref_logp),
-                                       rollout_logp=pick(traj.rollout_logp))
+            terms = objective(idx, logp, entropy)
             grad = flat(torch.autograd.grad(terms["loss"], params, allow_unused=True), params)
             norm = grad.norm().item()
             if norm > cfg.grad_clip:
@@ -249,25 +255,12 @@ def menu_batch(model, cfg, estimator):
 
 
 def menu_reference_steps(model, traj, cfg, adv, weight) -> list[dict]:
-    """reference_steps with menu_objective: each optimizer step's loss terms and gradient (clipped)."""
-    params = list(model.parameters())
-    size = cfg.ppo_mini_batch_size * cfg.n
-    steps = []
-    for _ in range(cfg.ppo_epochs):
-        for start in range(0, len(traj), size):
-            idx = list(range(start, start + size))
-            logp, entropy = ref.batch_logprobs(model, [traj.prompt_ids[i] for i in idx],
-                                               [traj.response_ids[i] for i in idx], cfg.max_response_length,
-                                               cfg.temperature)
-            terms = ref.menu_objective(logp=logp, entropy=entropy, old_logp=traj.old_logp[idx].double(),
-                                       adv=adv[idx], mask=traj.response_mask[idx].double(), cfg=cfg,
-                                       weight=None if weight is None else weight[idx])
-            grad = flat(torch.autograd.grad(terms["loss"], params, allow_unused=True), params)
-            norm = grad.norm().item()
-            if norm > cfg.grad_clip:
-                grad = grad * cfg.grad_clip / (norm + 1e-6)
-            steps.append({"grad": grad, "norm": norm, **{k: v.item() for k, v in terms.items()}})
-    return steps
+    """reference_steps with menu_objective: cfg's loss mode, the advantages adv and the rollout weights."""
+    def menu(idx, logp, entropy):
+        return ref.menu_objective(logp=logp, entropy=entropy, old_logp=traj.old_logp[idx].double(),
+                                  adv=adv[idx], mask=traj.response_mask[idx].double(), cfg=cfg,
+                                  weight=None if weight is None else weight[idx])
+    return reference_steps(model, traj, cfg, menu)
 
 
 @pytest.mark.parametrize("case", list(MENU_CASES))
