@@ -299,8 +299,7 @@ VERL_KEYS = {
     A + "clip_ratio_low": same("clip_ratio_low"),
     A + "clip_ratio_high": same("clip_ratio_high", "verl's default 0.2, nanodapo's 0.28"),
     A + "clip_ratio_c": same("clip_ratio_c", "verl's default 3.0, nanodapo's 10.0"),
-    A + "policy_loss.loss_mode": choice("loss_mode", {m: m for m in (
-        "vanilla", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov", "sapo")}, "ALGORITHM.md 3a"),
+    A + "policy_loss.loss_mode": same("loss_mode", "ALGORITHM.md 3a (one nanodapo does not have is refused)"),
     A + "policy_loss.clip_cov_ratio": same("clip_cov_ratio"),
     A + "policy_loss.clip_cov_lb": same("clip_cov_lb"),
     A + "policy_loss.clip_cov_ub": same("clip_cov_ub"),
@@ -458,9 +457,8 @@ VERL_KEYS = {
     "custom_reward_function.overlong_buffer.penalty_factor": same("overlong_penalty_factor"),
     "custom_reward_function.overlong_buffer.log": noop("the overlong penalty is always logged"),
     # algorithm
-    "algorithm.adv_estimator": choice("adv_estimator", {m: m for m in (
-        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk")},
-                                      "ALGORITHM.md 3b (no critic: no gae)"),
+    "algorithm.adv_estimator": same("adv_estimator", "ALGORITHM.md 3b (one nanodapo does not have, e.g. gae: no "
+                                "critic, is refused)"),
     "algorithm.norm_adv_by_std_in_grpo": same("norm_adv_by_std", "False = Dr.GRPO"),
     "algorithm.gamma": same("gamma", "reinforce_plus_plus's discount (the other estimators ignore it)"),
     "algorithm.lam": noop("GRPO has no GAE (verl's grpo ignores it too)"),

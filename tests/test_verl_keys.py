@@ -3,6 +3,7 @@ the verl DAPO guide for Qwen2.5-32B, of a DAPO dynamic-batch tuning guide, and o
 translate with no unknown key, and every Config field equals what the guide sets (tables written by hand from the
 guides); validation keys never reach training knobs; refused keys say why; a mistyped key names the closest."""
 import os
+import re
 import shlex
 
 import pytest
@@ -233,7 +234,6 @@ def test_validation_keys_never_touch_training_knobs():
 
 
 @pytest.mark.parametrize("key, value, reason", [
-    ("algorithm.adv_estimator", "gae", "not one of verl's values nanodapo has: grpo, rloo"),
     ("actor_rollout_ref.actor.strategy", "megatron", "no Megatron backend"),
     ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "2", "no Megatron backend"),
     ("actor_rollout_ref.rollout.name", "sglang", "nanodapo: rollout_engine"),
@@ -250,6 +250,15 @@ def test_each_refused_key_gives_its_reason(key, value, reason):
     assert reason in t.refused[0][2]
     with pytest.raises(config.ConfigError, match=key.replace(".", r"\.")):
         T.parse_args(T.Config, [f"{key}={value}"])
+
+
+def test_a_loss_mode_or_estimator_nanodapo_lacks_is_refused_with_the_ones_it_has():
+    for key, value, choices in [("algorithm.adv_estimator", "gae", "choose one of grpo, rloo"),
+                                ("actor_rollout_ref.actor.policy_loss.loss_mode", "gpg", "choose one of vanilla, gspo")]:
+        with pytest.raises(config.ConfigError, match=f"{value}.*verl key {re.escape(key)}.*{choices}"):
+            T.parse_args(T.Config, [f"{key}={value}"])
+    cfg, _ = T.parse_args(T.Config, ["algorithm.adv_estimator=opo", "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"])
+    assert (cfg.adv_estimator, cfg.loss_mode) == ("opo", "cispo")
 
 
 def test_refused_values_of_accepted_keys_are_refused_and_off_values_are_no_ops():
