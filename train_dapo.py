@@ -670,7 +670,8 @@ def check_algorithm(cfg: Config, world_size: int = 1):
         raise ConfigError("adv_estimator='grpo_passk' rewards the best response of each group: set n >= 2")
     if cfg.rollout_is is not None and cfg.tis_imp_ratio_cap > 0:
         raise ConfigError("rollout_is and tis_imp_ratio_cap would multiply two importance weights: keep one "
-                          "(rollout_is='token' with rollout_is_threshold=cap is the same correction, once a batch)")
+                          "(rollout_is='token' with rollout_is_threshold=cap is the same correction, "
+                          "computed once a batch)")
     if cfg.rollout_is_batch_normalize and cfg.rollout_is is None:
         raise ConfigError("rollout_is_batch_normalize=True normalises the weights of rollout_is, which is off: "
                           "set rollout_is='token' or 'sequence'")
@@ -761,7 +762,7 @@ def rollout(run: "Run", cfg: Config, prompts: list[dict], params: SamplingParams
     return out, {k: sum(c[k] for _, c in parts) for k in parts[0][1]}
 
 
-GEN_BATCH_SEEDS = 1000  # gen batch r of step s samples with seed + 1000 s + r: distinct below 1000 gen batches a step
+GEN_BATCH_SEEDS = 1000  # gen batch r of step s samples with seed + 1000 s + r (distinct below 1000 a step)
 
 
 def gen_batches(run: "Run", cfg: Config, *, step: int, version: int, timing: dict, counts: dict):

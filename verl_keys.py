@@ -20,7 +20,6 @@ import re
 import typing
 
 
-
 class Refused(Exception):
     """A verl key or value nanodapo cannot express: the reason and the nearest nanodapo knob."""
 

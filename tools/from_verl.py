@@ -213,9 +213,11 @@ def parameter(body: str, variables: dict, args: list[str]) -> str:
     return default
 
 
-ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Mod: lambda a, b: a - b * int(a / b),
-              ast.Pow: operator.pow, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
-              ast.Div: lambda a, b: int(a / b), ast.FloorDiv: lambda a, b: int(a / b)}  # C's truncation
+# bash's integer arithmetic: division and remainder truncate toward zero, as in C
+ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: operator.pow,
+              ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+              ast.Div: lambda a, b: int(a / b), ast.FloorDiv: lambda a, b: int(a / b),
+              ast.Mod: lambda a, b: a - b * int(a / b)}
 
 
 def arithmetic(expr: str, variables: dict, args: list[str]) -> int:
