@@ -1,6 +1,7 @@
 """
 DAPO / GRPO training: the Config, the algorithm and the loop, in the order of one step. Beside it, config.py
-reads and checks a Config, checkpoint.py saves and resumes, plan.py plans memory (--dry_run).
+reads and checks a Config (verl_keys.py translates verl's keys), trajectories.py holds what a step passes around
+and scores it, rollout.py generates, checkpoint.py saves and resumes, plan.py plans memory (--dry_run).
 
     python train_dapo.py configs/tiny.py                  # CPU demo: learns arithmetic in minutes
     python train_dapo.py configs/tiny.py --lr=3e-4 --n=4  # override any Config field
@@ -11,13 +12,17 @@ The algorithm is DAPO (Yu et al. 2025): GRPO's group-normalised advantages with 
 loss with a higher upper clip (clip-higher) and a dual clip for negative advantages, a token-mean loss over
 the whole mini-batch, dynamic sampling (only groups whose reward varies are trained on) and overlong reward
 shaping. KL terms, entropy bonus and truncated importance sampling are there as knobs; there is no critic and
-no reward model. ALGORITHM.md states every formula and where nanodapo differs from verl.
+no reward model. Beside DAPO's loss and GRPO's advantages the algorithm section holds the field's other choices,
+each a small function named by its choice: loss_mode (POLICY_LOSSES), adv_estimator (ADV_ESTIMATORS) and the
+rollout correction (rollout_is, rollout_rs). ALGORITHM.md states every formula and where nanodapo differs from
+verl.
 
 One training step, in the order this file reads:
- 1. sample gen_batch_size prompts              5. group-normalised advantages
- 2. generate n responses each                  6. old (and reference) log-probs, packed
- 3. score them (verifier + overlong shaping)   7. ppo_epochs x mini-batches of clipped policy-gradient updates
+ 1. sample gen_batch_size prompts              5. advantages (adv_estimator; GRPO: group-normalised)
+ 2. generate n responses each                  6. old (and reference) log-probs, packed; rollout correction
+ 3. score them (verifier + overlong shaping)   7. ppo_epochs x mini-batches of policy-gradient updates (loss_mode)
  4. keep groups with reward variance, refill   8. metrics, validation, checkpoint
+train_step runs steps 1-7; fit runs the loop around it (8, stop signals, the checks of each update).
 """
 from __future__ import annotations  # Config's choice types (AggMode, ...) are declared beside their functions
 
