@@ -1209,23 +1209,14 @@ def fit(cfg: Config):
         consecutive_skips = check_update(cfg, metrics, consecutive_skips, log)
 
         # 8. validation, metrics, checkpoint
-        last = step == run.total_steps
-        val_pending = False
-        if run.val_prompts and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or last):
-            try:
-                with timed("testing", timing):
-                    metrics.update(validate(run, cfg, version, step))
-            except StopRequested:
-                val_pending = True  # the step is trained and checkpointed; the resumed run validates it
-        timing = step_timing(timing, t_step, colocated=run.rollouts is None)
-        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})  # verl's names
-        metrics.update(perf_metrics(batch, timing["step"], dims, cfg))
-        if parallel.compiled_graphs():  # torch.compile is on: a new shape or a recompile shows up here
-            metrics["perf/compiled_graphs"] = parallel.compiled_graphs() - graphs_before
+        val_metrics, val_pending = validate_if_due(run, cfg, version, step, timing)
+        metrics.update(val_metrics)
+        metrics.update(time_and_perf_metrics(run, cfg, batch, timing, t_step, graphs_before))
         if dims.is_main:
             logger.log(step, {k: float(v) for k, v in metrics.items()})
         bar.update(1)
         stopping = stop.agreed(dims)
+        last = step == run.total_steps
         if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or (last and cfg.save_freq >= 0) or stopping:
             save_checkpoint(cfg, run, step, val_pending)
         if stopping:
@@ -1271,6 +1262,31 @@ def train_step(run: Run, cfg: Config, step: int, version: int, timing: dict,
     metrics.update(rollout_metrics(generated, num_gen_batches, counts, cfg))
     metrics["sampler/epoch"] = run.sampler.epoch
     return batch, metrics
+
+
+def validate_if_due(run: Run, cfg: Config, version: int, step: int, timing: dict) -> tuple[dict, bool]:
+    """Step 8's validation, every test_freq steps and after the last -> (its metrics, whether a stop signal cut
+    it short: the step is trained and checkpointed, and the resumed run validates it first)."""
+    due = (cfg.test_freq > 0 and step % cfg.test_freq == 0) or step == run.total_steps
+    if not run.val_prompts or not due:
+        return {}, False
+    try:
+        with timed("testing", timing):
+            return validate(run, cfg, version, step), False
+    except StopRequested:
+        return {}, True
+
+
+def time_and_perf_metrics(run: Run, cfg: Config, batch: Trajectories, timing: dict, t_step: float,
+                          graphs_before: int) -> dict:
+    """The step's phase times (verl's timing_s/* names), throughput and peak memory, and the graphs
+    torch.compile made during it (a new shape or a recompile shows up here)."""
+    timing = step_timing(timing, t_step, colocated=run.rollouts is None)
+    metrics = {f"timing_s/{k}": v for k, v in timing.items()}
+    metrics.update(perf_metrics(batch, timing["step"], run.dims, cfg))
+    if parallel.compiled_graphs():  # torch.compile is on
+        metrics["perf/compiled_graphs"] = parallel.compiled_graphs() - graphs_before
+    return metrics
 
 
 def announce(run: Run, cfg: Config, step: int):
