@@ -1019,10 +1019,10 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
     own log-probs, detached, are the old ones."""
     mb_size = cfg.ppo_mini_batch_size * cfg.n
     budget = cfg.ppo_max_token_len_per_gpu * cfg.sp_size if cfg.use_dynamic_bsz else None  # per SP group
-    device = dims.device
     n_minibatches = cfg.ppo_epochs * math.ceil(len(traj) / mb_size)
-    router_aux = cfg.router_aux_loss and model.config.num_experts > 0
-    engine_logp = not traj.rollout_logp.isnan().any()  # the engine returned log-probs (NaN: not asked for)
+    # the update's forwards measure the engine's log-prob mismatch only where the loop could not (no old log-probs
+    # before the update) and the engine returned log-probs (NaN: not asked for)
+    measure_mismatch = traj.old_logp is None and not traj.rollout_logp.isnan().any()
     sums, grad_norms, skipped = {}, [], 0  # sums: this rank's share of each metric, 0-dim tensors on device
     fetch_routing(traj, update_share(len(traj), mb_size, dims), dims)
     model.train()
@@ -1034,51 +1034,15 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
             # a sum of 0 (every token rejected: rollout_rs_threshold) counts as 1.0
             tokens = float(traj.response_mask[idx].sum()) or 1.0
             optimizer.zero_grad(set_to_none=True)
-            finite = torch.ones((), dtype=torch.bool, device=device)
+            finite = torch.ones((), dtype=torch.bool, device=dims.device)
             mbs = micro_batches(traj, rank_share(idx, dims), cfg.ppo_micro_batch_size_per_gpu, budget, dims)
             for i, mb in enumerate(mbs):
                 parallel.accumulate_grads(model, dims, last=i == len(mbs) - 1)
-                # copied before the forward: a copy from pageable memory waits for the GPU to finish
-                mask, adv = traj.response_mask[mb].to(device), traj.adv[mb].to(device)
-                rollout_logp = traj.rollout_logp[mb].to(device)
-                old_logp = None if traj.old_logp is None else traj.old_logp[mb].to(device)
-                ref_logp = traj.ref_logp[mb].to(device) if cfg.use_kl_loss else None
-                mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
-                router_loads = [] if router_aux else None
-                logp, ent = sequence_logprobs(model, traj, mb, cfg,
-                                              with_entropy=bool(cfg.entropy_coeff) or "detached",
-                                              router_loads=router_loads, device=device)
-                logp, ent = logp.float(), ent.float()
-                if old_logp is None:
-                    old_logp = logp.detach()
-                weight = None  # rollout correction: the batch's importance weights, or truncated IS here
-                if traj.rollout_is_weights is not None:
-                    weight = traj.rollout_is_weights[mb].to(device)
-                elif tis_cap(cfg) > 0:
-                    weight = truncated_is_weight(old_logp, rollout_logp, tis_cap(cfg))
-                agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length,
-                           count=count)
-                pg_loss, m = POLICY_LOSSES[cfg.loss_mode](logp, old_logp, adv, mask, cfg, count=count,
-                                                          token_weight=weight)
-                entropy = agg_loss(ent, **agg)
-                # entropy_coeff 0: no entropy backward
-                loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
-                terms = {"pg_loss": pg_loss.detach(), "entropy": entropy.detach()}
-                if cfg.use_kl_loss:
-                    kl = agg_loss(token_kl(logp, ref_logp, cfg.kl_loss_type), **agg)
-                    loss = loss + cfg.kl_loss_coef * kl
-                    terms["kl_loss"] = kl.detach()
-                if router_aux:
-                    # over this micro-batch's tokens on all ranks (collective), averaged over micro-batches
-                    group = dims.fsdp_mesh.get_group() if dims.world_size > 1 else None
-                    aux = load_balancing_loss(parallel.reduce_router_loads(router_loads, group),
-                                              model.config.num_experts_per_tok) / len(mbs)
-                    loss = loss + model.config.router_aux_loss_coef * aux
-                    terms["router_aux_loss"] = aux.detach() / dims.dp  # every dp rank holds the same value
-                if traj.old_logp is None and engine_logp:  # else the loop measured it on traj.old_logp
-                    m["logp_mismatch"] = logp_mismatch(old_logp, rollout_logp, mask)
+                loss, terms, m = micro_batch_loss(model, traj, mb, cfg, dims, count=count,
+                                                  num_micro_batches=len(mbs), measure_mismatch=measure_mismatch)
                 loss.backward()
                 finite &= torch.isfinite(loss.detach())
+                mb_share = float(traj.response_mask[mb].sum()) / tokens  # of the mini-batch's response tokens
                 for k, v in m.items():  # per-token means of this micro-batch, weighted by its share of tokens
                     sums[k] = sums.get(k, 0.0) + v * mb_share / n_minibatches
                 for k, v in terms.items():  # already divided by the mini-batch's count: they add up
@@ -1096,6 +1060,53 @@ def update_policy(model, optimizer, scheduler, traj: Trajectories, cfg: Config, 
     out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": scheduler.get_last_lr()[0],
                 "actor/skipped_updates": skipped})
     return out
+
+
+def micro_batch_loss(model, traj: Trajectories, mb: list[int], cfg: Config, dims, *, count: float,
+                     num_micro_batches: int, measure_mismatch: bool) -> tuple[torch.Tensor, dict, dict]:
+    """The objective of micro-batch mb, its share of the mini-batch's (count: the mini-batch's, agg_loss):
+    the policy loss of loss_mode weighted by the rollout correction, minus entropy_coeff x entropy, plus the
+    KL loss and MoE's load-balancing loss -> (the loss to backward, its terms detached, the loss mode's
+    per-token metrics; with measure_mismatch, logp_mismatch against the engine's log-probs too)."""
+    device = dims.device
+    router_aux = cfg.router_aux_loss and model.config.num_experts > 0
+    # copied before the forward: a copy from pageable memory waits for the GPU to finish
+    mask, adv = traj.response_mask[mb].to(device), traj.adv[mb].to(device)
+    rollout_logp = traj.rollout_logp[mb].to(device)
+    old_logp = None if traj.old_logp is None else traj.old_logp[mb].to(device)
+    ref_logp = traj.ref_logp[mb].to(device) if cfg.use_kl_loss else None
+    router_loads = [] if router_aux else None
+    logp, ent = sequence_logprobs(model, traj, mb, cfg, with_entropy=bool(cfg.entropy_coeff) or "detached",
+                                  router_loads=router_loads, device=device)
+    logp, ent = logp.float(), ent.float()
+    if old_logp is None:
+        old_logp = logp.detach()
+    weight = None  # rollout correction: the batch's importance weights, or truncated IS here
+    if traj.rollout_is_weights is not None:
+        weight = traj.rollout_is_weights[mb].to(device)
+    elif tis_cap(cfg) > 0:
+        weight = truncated_is_weight(old_logp, rollout_logp, tis_cap(cfg))
+    agg = dict(mask=mask, mode=cfg.loss_agg_mode, max_response_length=cfg.max_response_length, count=count)
+    pg_loss, metrics = POLICY_LOSSES[cfg.loss_mode](logp, old_logp, adv, mask, cfg, count=count,
+                                                    token_weight=weight)
+    entropy = agg_loss(ent, **agg)
+    # entropy_coeff 0: no entropy backward
+    loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
+    terms = {"pg_loss": pg_loss.detach(), "entropy": entropy.detach()}
+    if cfg.use_kl_loss:
+        kl = agg_loss(token_kl(logp, ref_logp, cfg.kl_loss_type), **agg)
+        loss = loss + cfg.kl_loss_coef * kl
+        terms["kl_loss"] = kl.detach()
+    if router_aux:
+        # over this micro-batch's tokens on all ranks (collective), averaged over micro-batches
+        group = dims.fsdp_mesh.get_group() if dims.world_size > 1 else None
+        aux = load_balancing_loss(parallel.reduce_router_loads(router_loads, group),
+                                  model.config.num_experts_per_tok) / num_micro_batches
+        loss = loss + model.config.router_aux_loss_coef * aux
+        terms["router_aux_loss"] = aux.detach() / dims.dp  # every dp rank holds the same value
+    if measure_mismatch:
+        metrics["logp_mismatch"] = logp_mismatch(old_logp, rollout_logp, mask)
+    return loss, terms, metrics
 
 
 def old_logp_from_update(cfg: Config) -> bool:
