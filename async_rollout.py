@@ -25,7 +25,7 @@ import reward
 from parallel import NOT_YET
 from reliability import StopFlag, StopRequested, Watchdog
 from rollout import GenerationStopped, SamplingParams
-from trajectories import Trajectories, concat_trajectories, generate_share, timed
+from trajectories import PEAK_GIB, Trajectories, concat_trajectories, generate_share, timed
 
 
 class Bridge:
@@ -196,8 +196,9 @@ class RolloutQueue:
         if replies == STOPPED or any(r == STOPPED for r in replies):
             raise StopRequested
         self.pending.remove(entry)
-        for k, v in replies[0][2].items():  # the first engine's gen and reward times
-            timing[k] = timing.get(k, 0.0) + v
+        for k, v in replies[0][2].items():  # the first engine's gen and reward times (its GPU's peaks are not ours)
+            if k != PEAK_GIB:
+                timing[k] = timing.get(k, 0.0) + v
         traj = concat_trajectories([t for t, _, _ in replies if len(t)], self.cfg.max_response_length)
         return traj, {k: sum(c[k] for _, c, _ in replies) for k in replies[0][1]}
 

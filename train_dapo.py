@@ -56,7 +56,7 @@ from model import IGNORE_INDEX, load_balancing_loss, pack_sequences
 from reliability import StopFlag, StopRequested, report_failure
 from async_rollout import Bridge, RolloutQueue, gen_batches_ahead, serve_rollouts
 from rollout import GenerationStopped, SamplingParams, TorchEngine, VLLMEngine, engine_results, resolve_engine
-from trajectories import Trajectories, concat_trajectories, generate_share, timed
+from trajectories import PEAK_GIB, Trajectories, concat_trajectories, generate_share, timed
 
 # -----------------------------------------------------------------------------
 # config: every knob, verl's names (prompts are counted globally, over all ranks)
@@ -1292,9 +1292,10 @@ def time_and_perf_metrics(run: Run, cfg: Config, batch: Trajectories, timing: di
                           graphs_before: int) -> dict:
     """The step's phase times (verl's timing_s/* names), throughput and peak memory, and the graphs
     torch.compile made during it (a new shape or a recompile shows up here)."""
+    peaks = timing.pop(PEAK_GIB, {})
     timing = step_timing(timing, t_step, colocated=run.rollouts is None)
     metrics = {f"timing_s/{k}": v for k, v in timing.items()}
-    metrics.update(perf_metrics(batch, timing["step"], run.dims, cfg))
+    metrics.update(perf_metrics(batch, timing["step"], run.dims, cfg, peaks))
     if parallel.compiled_graphs():  # torch.compile is on
         metrics["perf/compiled_graphs"] = parallel.compiled_graphs() - graphs_before
     return metrics
@@ -1413,12 +1414,15 @@ def step_timing(timing: dict, t_step: float, colocated: bool) -> dict:
     return timing
 
 
-def perf_metrics(batch: Trajectories, step_s: float, dims, cfg: Config) -> dict:
-    """Throughput over all GPUs of the run (generators included), and this GPU's peak memory."""
+def perf_metrics(batch: Trajectories, step_s: float, dims, cfg: Config, peaks: dict) -> dict:
+    """Throughput over all GPUs of the run (generators included), and this GPU's peak memory in the step and
+    in each of its phases (peaks: timed's {phase: GiB}; each phase resets the allocator's peak)."""
     metrics = {"perf/tokens_per_s": batch.total_tokens() / step_s}
     metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / (dims.world_size + cfg.rollout_gpus)
     if dims.device.type != "cpu":
-        metrics["perf/max_memory_allocated_gib"] = parallel.max_memory_allocated_gib(dims.device)
+        metrics["perf/max_memory_allocated_gib"] = max([parallel.max_memory_allocated_gib(dims.device),
+                                                        *peaks.values()])
+        metrics.update({f"perf/max_memory_allocated_gib/{k}": v for k, v in peaks.items()})
     return metrics
 
 

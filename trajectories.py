@@ -91,12 +91,38 @@ def concat_trajectories(parts: list[Trajectories], R: int) -> Trajectories:
     return Trajectories(**out)
 
 
+PEAK_GIB = "peak_gib"  # timing's key for the phases' peaks of torch's allocator, {phase: GiB}
+_open_phases = []  # [name, peak bytes so far] of the timed blocks now open on this process, outermost first
+
+
+def _gpu_allocator():
+    """torch.cuda where it is in use (its allocator tracks a peak), else None."""
+    return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
 @contextlib.contextmanager
 def timed(name: str, timing: dict):
-    """Add the block's wall time to timing[name]."""
+    """Add the block's wall time to timing[name]; on a GPU also the peak of torch's allocator during the
+    block to timing["peak_gib"][name] (the largest over a step's blocks of that name). The peak is reset at
+    each block's start; a block inside another gives the outer one its peak, so each block's figure covers
+    all of it."""
+    gpu = _gpu_allocator()
+    if gpu is not None:
+        for phase in _open_phases:
+            phase[1] = max(phase[1], gpu.max_memory_allocated())
+        gpu.reset_peak_memory_stats()
+        _open_phases.append([name, 0])
     t0 = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+    try:
+        yield
+    finally:
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+        if gpu is not None:
+            peak = max(_open_phases.pop()[1], gpu.max_memory_allocated())
+            for phase in _open_phases:
+                phase[1] = max(phase[1], peak)
+            peaks = timing.setdefault(PEAK_GIB, {})
+            peaks[name] = max(peaks.get(name, 0.0), peak / 2**30)
 
 
 def generate_and_score(engine, tokenizer, scorer, prompts: list[dict], params: SamplingParams, cfg, *,

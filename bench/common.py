@@ -95,6 +95,18 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     return peak
 
 
+def update_flops(cfg: M.ModelConfig, seq_lens: list[int], resp_lens: list[int]) -> float:
+    """Model FLOPs of one update over these sequences (prompt + response tokens each), one formula for every
+    trainer: 6 * N_blocks * tokens for the non-embedding parameters (top-k experts), 6 * V*H * response tokens
+    for the output head (an update needs no log-prob of a prompt token, so a trainer that computes them does
+    work this does not count), and causal attention, 6 * L * heads * head_dim * sum(n_i^2). Recomputation
+    (checkpointing) is not counted: MFU, not HFU."""
+    head = cfg.vocab_size * cfg.hidden_size
+    n_blocks = cfg.num_active_params() - head * (1 if cfg.tie_word_embeddings else 2)
+    attn_fwd = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lens)
+    return 6 * n_blocks * sum(seq_lens) + 6 * head * sum(resp_lens) + 3 * attn_fwd
+
+
 def model_config(shape: str, tiny: bool = False) -> M.ModelConfig:
     """A published shape from model.KNOWN_CONFIGS, or TINY for CPU runs."""
     return M.ModelConfig(**TINY) if tiny else M.ModelConfig.from_hf(hf.KNOWN_CONFIGS[shape])

@@ -3,6 +3,12 @@ One full DAPO training step, nanodapo (train_dapo.py as shipped) against TRL's G
 on the same random-init model, prompts, hash reward, group size and batch sizes; TRL runs in a child process.
 
     python bench/step.py --sides nanodapo_torch,nanodapo_vllm,trl,trl_vllm --out step.json
+    python bench/step.py --sides nanodapo_vllm,trl_vllm --response-len 4096,8192 --prompts 4 --n 4 \
+        --micro-batch-tokens 16384 --steps 2     # long responses: each length runs every side
+
+At each length the table gives the step and its phases, the update's model FLOPs utilization (MFU, against a bf16
+matmul measured on this GPU in a child process) and, for nanodapo, the peak of torch's allocator in each phase
+next to what the memory plan (plan.memory_plan, the figure --dry_run prints) says for the same config on this GPU.
 """
 import argparse
 import dataclasses
@@ -25,7 +31,10 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 import data  # noqa: E402
-from bench.common import VLLM_ENV, dump, model_config, out_path, sync, timed, write_random_model  # noqa: E402
+import hf  # noqa: E402
+import plan  # noqa: E402
+from bench.common import (VLLM_ENV, dump, model_config, out_path, sync, timed, update_flops,  # noqa: E402
+                          write_random_model)
 from bench.hash_reward import trl_reward  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -39,8 +48,13 @@ p.add_argument("--layers", type=int, default=None, help="the shape cut to its fi
 p.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
 p.add_argument("--n", type=int, default=8, help="responses per prompt (G)")
 p.add_argument("--prompt-len", type=int, default=256)
-p.add_argument("--response-len", type=int, default=512)
+p.add_argument("--response-len", default="512",
+               help="max response tokens; a comma list runs every side at each length (a random model rarely samples "
+                    "EOS, so responses run to it)")
 p.add_argument("--micro-batch", type=int, default=16, help="trajectories per forward/backward, both sides")
+p.add_argument("--micro-batch-tokens", type=int, default=0,
+               help="instead of --micro-batch: at each length, as many trajectories per forward/backward as fit this "
+                    "many tokens (at least one), both sides")
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--timeout", type=int, default=480, help="seconds per side at most")
@@ -57,10 +71,13 @@ p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)  # internal
 p.add_argument("--use-vllm", type=int, default=0, help=argparse.SUPPRESS)
 args = p.parse_args()
 if args.tiny:
-    args.prompts, args.n, args.prompt_len, args.response_len = 4, 4, 32, 16
+    args.prompts, args.n, args.prompt_len = 4, 4, 32
+    if args.response_len == "512":
+        args.response_len = "16"
     args.micro_batch, args.steps = 8, 2
     if args.work == "/tmp/nanodapo_step":
         args.work = "/tmp/nanodapo_step_tiny"
+RESPONSE_LENS = [int(r) for r in args.response_len.split(",")]
 MODEL = os.path.join(args.work, "model")
 PROMPTS = os.path.join(args.work, "prompts.parquet")
 CHILD_ENV = {**VLLM_ENV, "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true",
@@ -106,14 +123,14 @@ def trl_worker():
     print(f"TRL {trl.__version__}: prompt ids equal to nanodapo's: {res['prompt_ids_equal']} (lengths {res['prompt_len'][:4]})",
           flush=True)
 
-    G, P, mb = args.n, args.prompts, args.micro_batch
+    G, P, mb, R = args.n, args.prompts, args.micro_batch, RESPONSE_LENS[0]  # the driver passes one length
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
     # transformers renames gradient_checkpointing to activation_checkpointing: use the name this version has
     ckpt = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     want = dict(
-        output_dir=os.path.join(args.work, "trl_vllm_out" if args.use_vllm else "trl_out"),
+        output_dir=os.path.join(args.work, f"trl{'_vllm' if args.use_vllm else ''}_out_{R}"),
         per_device_train_batch_size=mb, gradient_accumulation_steps=P * G // mb, num_generations=G,
-        max_completion_length=args.response_len, learning_rate=args.lr, lr_scheduler_type="constant",
+        max_completion_length=R, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group", num_iterations=1,
         mask_truncated_completions=False, temperature=1.0, top_p=1.0,
@@ -122,7 +139,7 @@ def trl_worker():
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",
         seed=0, dataloader_num_workers=0, log_completions=False, disable_tqdm=True,
         use_vllm=bool(args.use_vllm), vllm_mode="colocate", vllm_gpu_memory_utilization=args.trl_vllm_gpu_mem,
-        vllm_max_model_length=args.prompt_len + args.response_len + 8,
+        vllm_max_model_length=args.prompt_len + R + 8,
     )
     if args.use_vllm:  # TRL reads token ids only; vLLM need not detokenize ids a random model samples
         want["generation_kwargs"] = {"detokenize": False}
@@ -284,16 +301,51 @@ def prepare():
     print(f"prompts: {len(rows)} x {args.prompt_len} tokens -> {PROMPTS}", flush=True)
 
 
-def nanodapo_side(name, engine):
+def micro_batch(R: int) -> int:
+    """Trajectories per forward/backward at response length R, both sides."""
+    if args.micro_batch_tokens:
+        return max(1, args.micro_batch_tokens // (args.prompt_len + R))
+    return args.micro_batch
+
+
+def gpu_gib() -> float | None:
+    """The GPU's memory as the trainer reads it (what its memory plan is made for), from nvidia-smi: the driver
+    leaves CUDA alone, the GPU is the sides'."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return int(out[0]) / 1024 if out else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def planned(cfg_path: str, engine: str) -> dict | None:
+    """What plan.memory_plan says of this config on this GPU (the --dry_run figures): GiB per phase, resident
+    included (as are its runtime_gib of CUDA context and slack, which torch's allocator does not count)."""
+    gib = gpu_gib()
+    if gib is None:
+        return None
+    import train_dapo
+    from config import parse_args
+    cfg, _ = parse_args(train_dapo.Config, [cfg_path] + args.nanodapo_args.split())
+    mp = plan.memory_plan(cfg, hf.load_config(MODEL), 1, gib, engine=engine)
+    return {"gpu_gib": round(gib, 1), "peak": round(mp["peak_gib"], 2), "verdict": mp["verdict"],
+            "resident": round(mp["resident_gib"], 2), "runtime": mp["gib"]["runtime"],
+            "training": round(mp["resident_gib"] + mp["training_gib"], 2),
+            "generation": round(mp["resident_gib"] + mp["generation_gib"], 2),
+            "gradient_checkpointing": mp["gradient_checkpointing"], "knob": mp["knob"]}
+
+
+def nanodapo_side(name, engine, R):
     """train_dapo.py on a config written here: DAPO's clip-higher and token-mean, no KL, filter_groups off (one
-    generation round per step, as TRL); phase times from its metrics.jsonl."""
+    generation round per step, as TRL); phase times and peaks from its metrics.jsonl."""
     out_dir = os.path.join(args.work, f"{name}_out")
     cfg_path = os.path.join(args.work, f"{name}.py")
-    P, G = args.prompts, args.n
+    P, G, mb = args.prompts, args.n, micro_batch(R)
     cfg = dict(model_path=MODEL, train_files=[PROMPTS], val_files=[], max_prompt_length=args.prompt_len,
-               max_response_length=args.response_len, train_batch_size=P, gen_batch_size=P, n=G,
-               ppo_mini_batch_size=P, ppo_micro_batch_size_per_gpu=args.micro_batch, use_dynamic_bsz=False,
-               log_prob_micro_batch_size_per_gpu=args.micro_batch, ppo_epochs=1,
+               max_response_length=R, train_batch_size=P, gen_batch_size=P, n=G,
+               ppo_mini_batch_size=P, ppo_micro_batch_size_per_gpu=mb, use_dynamic_bsz=False,
+               log_prob_micro_batch_size_per_gpu=mb, ppo_epochs=1,
                clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean", entropy_coeff=0.0,
                use_kl_loss=False, use_kl_in_reward=False, filter_groups=False, overlong_buffer=False,
                reward_fn=os.path.join(ROOT, "bench", "hash_reward.py") + ":compute_score", reward_num_workers=2,
@@ -326,19 +378,28 @@ def nanodapo_side(name, engine):
     side["clip_ratio"] = [r.get("response_length/clip_ratio") for r in rows]
     peaks = [r["perf/max_memory_allocated_gib"] for r in rows if "perf/max_memory_allocated_gib" in r]  # GPU only
     side["peak_alloc_GiB"] = max(peaks, default=None)
+    key = "perf/max_memory_allocated_gib/"  # each phase's peak, the largest over the steps
+    side["phase_peak_GiB"] = {k[len(key):]: round(max(r[k] for r in rows if k in r), 2)
+                              for k in sorted({k for r in rows for k in r if k.startswith(key)})}
+    try:
+        side["plan"] = planned(cfg_path, engine) if not args.tiny else None
+    except Exception as e:  # the plan is a comparison: its failure must not lose the measured side
+        RES["errors"][f"{name}_plan"] = repr(e)
+    side["micro_batch"] = mb
+    side["response_tokens"] = [r.get("response_length/mean", 0) * P * G for r in rows]
     side["reward_mean"] = [r.get("train/score_mean") for r in rows]
     # the engine's log-probs against the trainer's (None where the engine gave none: vLLM by default)
     side["logp_mismatch"] = [r.get("rollout/logp_mismatch") for r in rows]
     return side
 
 
-def trl_side(name, use_vllm, dtype):
+def trl_side(name, use_vllm, dtype, R):
     result = os.path.join(args.work, f"{name}_result.json")
     if os.path.isfile(result):
         os.remove(result)
     cmd = [sys.executable, __file__, "--trl-worker", result, "--use-vllm", str(int(use_vllm)),
            "--work", args.work, "--prompts", str(args.prompts), "--n", str(args.n), "--prompt-len", str(args.prompt_len),
-           "--response-len", str(args.response_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+           "--response-len", str(R), "--micro-batch", str(micro_batch(R)), "--steps", str(args.steps),
            "--lr", str(args.lr), "--trl-vllm-gpu-mem", str(args.trl_vllm_gpu_mem), "--trl-dtype", dtype]
     if args.tiny:
         cmd.append("--tiny")
@@ -358,6 +419,7 @@ def trl_side(name, use_vllm, dtype):
     side["median"] = {k: median_after_first(v) for k, v in side["per_step"].items()}
     logs = [lg for lg in r["logs"] if "completions/mean_length" in lg or "loss" in lg]
     side["response_length_mean"] = [lg.get("completions/mean_length") for lg in logs]
+    side["micro_batch"] = micro_batch(R)
     side["clip_ratio"] = [lg.get("completions/clipped_ratio") for lg in logs]
     side["reward_mean"] = [lg.get("reward") for lg in logs]
     side["trl_logged_step_time"] = [lg.get("step_time") for lg in logs]  # TRL's own per-step timer, for reference
@@ -371,22 +433,48 @@ sides = [s for s in args.sides.split(",") if s]
 unknown = set(sides) - {"nanodapo_torch", "nanodapo_vllm", "nanodapo_vllm_awake", "trl", "trl_bf16", "trl_vllm"}
 if unknown:
     sys.exit(f"unknown sides {sorted(unknown)}")
-prepare()
-save()
-for s in sides:
-    if "vllm" in s and not have_vllm:
-        RES["sides"][s] = {"skipped": "vllm not importable"}
-        print(f"{s}: skipped (vllm not importable)", flush=True)
-        continue
+
+
+def side_key(side: str, R: int) -> str:
+    return side if len(RESPONSE_LENS) == 1 else f"{side}@{R}"
+
+
+def matmul_peak_flops() -> float | None:
+    """bench.common.matmul_peak on this GPU, in a child process (the driver leaves CUDA alone): MFU's
+    denominator, measured in this run."""
+    if args.tiny:
+        return None
+    code = "import torch; from bench.common import matmul_peak; print(matmul_peak(torch.device('cuda')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     try:
-        if s.startswith("nanodapo"):
-            RES["sides"][s] = nanodapo_side(s, "vllm" if "vllm" in s else "torch")
-        else:
-            RES["sides"][s] = trl_side(s, s.endswith("vllm"), "bfloat16" if s == "trl_bf16" else args.trl_dtype)
-    except Exception as e:
-        traceback.print_exc()
-        RES["errors"][s] = repr(e)
-    save()
+        return float(out.stdout.split()[-1])
+    except (IndexError, ValueError):
+        RES["errors"]["matmul_peak"] = out.stderr[-500:]
+        return None
+
+
+prepare()
+PEAK_FLOPS = matmul_peak_flops()
+RES["peak_bf16_matmul_TFLOPs"] = PEAK_FLOPS and round(PEAK_FLOPS / 1e12, 1)
+save()
+for R in RESPONSE_LENS:
+    for s in sides:
+        key = side_key(s, R)
+        if "vllm" in s and not have_vllm:
+            RES["sides"][key] = {"skipped": "vllm not importable"}
+            print(f"{key}: skipped (vllm not importable)", flush=True)
+            continue
+        try:
+            if s.startswith("nanodapo"):
+                RES["sides"][key] = nanodapo_side(key, "vllm" if "vllm" in s else "torch", R)
+            else:
+                dtype = "bfloat16" if s == "trl_bf16" else args.trl_dtype
+                RES["sides"][key] = trl_side(key, s.endswith("vllm"), dtype, R)
+            RES["sides"][key]["response_len"] = R
+        except Exception as e:
+            traceback.print_exc()
+            RES["errors"][key] = repr(e)
+        save()
 for path in args.merge:
     try:
         for k, v in json.load(open(path))["sides"].items():
@@ -396,35 +484,56 @@ for path in args.merge:
         RES["errors"][f"merge {path}"] = repr(e)
 
 # -----------------------------------------------------------------------------
-# table; headline last
+# the update's MFU; table; headline last
+
+MODEL_CFG = hf.load_config(MODEL)
+for s in RES["sides"].values():
+    lens = [x for x in s.get("response_length_mean", []) if x is not None]
+    if "median" in s and lens and s["median"].get("update") and PEAK_FLOPS:
+        resp = statistics.mean(lens)  # every response at the mean length: exact when all run to the cap
+        nseq = args.prompts * args.n
+        flops = update_flops(MODEL_CFG, [args.prompt_len + round(resp)] * nseq, [round(resp)] * nseq)
+        s["update_mfu"] = round(flops / s["median"]["update"] / PEAK_FLOPS, 3)
+        s["update_tokens_per_s"] = round(nseq * (args.prompt_len + resp) / s["median"]["update"])
 
 
 def f(x, spec="8.2f"):
     return format(x, spec) if isinstance(x, (int, float)) else format("-", ">" + spec.split(".")[0])
 
 
-P, G, Rl = args.prompts, args.n, args.response_len
-print(f"\n=== one DAPO step: {P} prompts x {G} responses, prompt {args.prompt_len} + response <= {Rl} tokens, "
-      f"micro-batch {args.micro_batch}, {args.steps} steps, median of steps 2..{args.steps} (s) ===")
-print(f"{'side':16s} {'engine':34s} {'step':>8s} {'gen':>8s} {'update':>8s} {'sync':>8s} {'resp len':>8s} "
-      f"{'1st step':>8s} {'peak GiB':>8s}")
+P, G = args.prompts, args.n
+print(f"\n=== one DAPO step: {P} prompts x {G} responses, prompt {args.prompt_len} + response <= "
+      f"{args.response_len} tokens, {args.steps} steps, median of steps 2..{args.steps} (s); bf16 matmul "
+      f"{RES['peak_bf16_matmul_TFLOPs']} TFLOP/s ===")
+print(f"{'side':22s} {'engine':28s} {'step':>8s} {'gen':>8s} {'update':>8s} {'sync':>7s} {'mb':>3s} {'MFU':>6s} "
+      f"{'resp len':>8s} {'1st step':>8s} {'peak GiB':>8s} {'plan GiB':>8s}")
 for name, s in RES["sides"].items():
     if "median" not in s:
-        print(f"{name:16s} {s.get('skipped') or 'failed: ' + str(s.get('error', ''))[:80]}")
+        print(f"{name:22s} {s.get('skipped') or 'failed: ' + str(s.get('error', ''))[:80]}")
         continue
     m = s["median"]
     lens = [x for x in s.get("response_length_mean", []) if x is not None]
-    print(f"{name:16s} {s['engine']:34s} {f(m.get('step'))} {f(m.get('gen'))} {f(m.get('update'))} "
-          f"{f(m.get('sync'), '8.3f')} {f(statistics.mean(lens) if lens else None, '8.1f')} "
-          f"{f((s['per_step']['step'] or [None])[0])} {f(s.get('peak_alloc_GiB'))}")
-print("(nanodapo gen = generation only, reward apart; TRL gen = generation + reward + what TRL does with them)")
+    print(f"{name:22s} {s['engine'][:28]:28s} {f(m.get('step'))} {f(m.get('gen'))} {f(m.get('update'))} "
+          f"{f(m.get('sync'), '7.3f')} {f(s.get('micro_batch'), '3d')} {f(s.get('update_mfu'), '6.3f')} "
+          f"{f(statistics.mean(lens) if lens else None, '8.1f')} {f((s['per_step']['step'] or [None])[0])} "
+          f"{f(s.get('peak_alloc_GiB'))} {f((s.get('plan') or {}).get('peak'))}")
+    if s.get("phase_peak_GiB"):
+        print(f"{'':22s} phase peaks (allocator) {s['phase_peak_GiB']}; plan (resident + phase, runtime "
+              f"included) {s.get('plan')}")
+print("(nanodapo gen = generation only, reward apart; TRL gen = generation + reward + what TRL does with them; "
+      "MFU = model FLOPs of the update / its seconds / the bf16 matmul peak)")
 print("errors:", {k: v[:200] for k, v in RES["errors"].items()} or "none")
 heads = []
-for trl_name, nano_name in (("trl", "nanodapo_torch"), ("trl_bf16", "nanodapo_torch"), ("trl_vllm", "nanodapo_vllm"),
-                            ("trl_vllm", "nanodapo_vllm_awake"), ("trl_vllm", "nanodapo_torch")):
-    a, b = RES["sides"].get(trl_name, {}).get("median", {}), RES["sides"].get(nano_name, {}).get("median", {})
-    if a.get("step") and b.get("step"):
-        heads.append(f"{trl_name} / {nano_name} = {a['step'] / b['step']:.2f}x")
-        RES.setdefault("headline", {})[f"{trl_name}_over_{nano_name}"] = round(a["step"] / b["step"], 3)
+for R in RESPONSE_LENS:
+    for trl_name, nano_name in (("trl", "nanodapo_torch"), ("trl_bf16", "nanodapo_torch"),
+                                ("trl_vllm", "nanodapo_vllm"), ("trl_vllm", "nanodapo_vllm_awake"),
+                                ("trl_vllm", "nanodapo_torch")):
+        a = RES["sides"].get(side_key(trl_name, R), {}).get("median", {})
+        b = RES["sides"].get(side_key(nano_name, R), {}).get("median", {})
+        if a.get("step") and b.get("step"):
+            tag = side_key(f"{trl_name} / {nano_name}", R)
+            update = f", update {b['update'] / a['update']:.2f}x TRL's" if a.get("update") and b.get("update") else ""
+            heads.append(f"{tag} = {a['step'] / b['step']:.2f}x{update}")
+            RES.setdefault("headline", {})[side_key(f"{trl_name}_over_{nano_name}", R)] = round(a["step"] / b["step"], 3)
 save()
 print("HEADLINE step time, TRL / nanodapo: " + ("; ".join(heads) if heads else "not available (see errors)"))
