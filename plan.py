@@ -46,12 +46,20 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     "gradient_checkpointing", ...}; peak = resident + max(training, generation). README.md "The memory plan"
     states each term's formula. A bad mesh raises ValueError. gradient_checkpointing="auto": the fewest
     blocks (the first N) for which the peak is within 85% of the GPU (headroom for what the plan does not
-    see), at most all but the last (its recompute follows its forward)."""
-    m, L, asked = model_cfg, model_cfg.num_hidden_layers, cfg
+    see), at most all but the last (its recompute follows its forward). Where the activations or the
+    log-prob buffer are the largest term of a peak that does not fit, the knob comes with a value that fits,
+    found by planning (_fitting_knob)."""
+    return _plan(cfg, model_cfg, world_size, gpu_gib, runtime_gib, engine, advise=True)
+
+
+def _plan(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float, engine: str, advise: bool) -> dict:
+    """memory_plan; advise=False leaves out the advice that plans the run again (the knob, the notes on
+    faster choices): what those plans, and "auto"'s, are made with, so that none recurses and each is cheap."""
+    L, asked = m.num_hidden_layers, cfg
     if cfg.gradient_checkpointing == "auto":
         def fits_with(n_blocks):
             with_n = dataclasses.replace(cfg, gradient_checkpointing=n_blocks)
-            return (memory_plan(with_n, m, world_size, gpu_gib, runtime_gib, engine)["peak_gib"]
+            return (_plan(with_n, m, world_size, gpu_gib, runtime_gib, engine, advise=False)["peak_gib"]
                     <= 0.85 * gpu_gib)
         n = next((n for n in range(L - 1) if fits_with(n)), L - 1)
         cfg = dataclasses.replace(cfg, gradient_checkpointing=n or False)
@@ -137,12 +145,18 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
     largest = max((k for k in gib if phase[k] in ("resident", peak_phase) and k != "runtime"), key=gib.get)
 
     notes = _generators_note(cfg, world_size, engine, generator_gib) if cfg.rollout_gpus else []
-    notes += _faster_choices(asked, m, world_size, gpu_gib, runtime_gib, engine)
+    if advise:
+        notes += _faster_choices(asked, m, world_size, gpu_gib, runtime_gib, engine)
     if vllm:
         notes.append(vllm_note)
         if vllm_kv_gib <= 0:
             largest = "vllm_awake"
     notes.append(_model_note(n_moe, E, ep, gpu_gib, P))
+    knob = None
+    if not fits and advise and largest in ("activations", "logprob_buffer"):
+        knob = _fitting_knob(largest, asked, m, world_size, gpu_gib, runtime_gib, engine, dp, n_moe > 0)
+    elif not fits and advise:
+        knob = _memory_knob(largest, cfg, n_moe > 0)
     return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "ep": ep, "gpu_gib": gpu_gib,
             "num_params": P, "num_active_params": m.num_active_params(), "engine": engine,
             "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase,
@@ -150,7 +164,7 @@ def memory_plan(cfg, model_cfg, world_size: int, gpu_gib: float, runtime_gib: fl
             "generation_gib": total["generation"], "step_gib": total["step"], "peak_gib": peak,
             "peak_phase": peak_phase,
             "verdict": "fits" if fits else "does not fit", "largest": largest,
-            "knob": None if fits else _memory_knob(largest, cfg, n_moe > 0), "notes": notes,
+            "knob": knob, "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
 
 
@@ -171,7 +185,7 @@ def _faster_choices(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float,
                         f"{kept})", {"param_offload": False}))
     notes = []
     for choice, change in choices:
-        p = memory_plan(dataclasses.replace(cfg, **change), m, world_size, gpu_gib, runtime_gib, engine)
+        p = _plan(dataclasses.replace(cfg, **change), m, world_size, gpu_gib, runtime_gib, engine, advise=False)
         notes.append(f"{choice} {p['verdict']}: peak {p['peak_gib']:.1f} of {gpu_gib:g} GiB, "
                      f"gradient_checkpointing {p['gradient_checkpointing']}")
     return notes
@@ -317,6 +331,87 @@ def _memory_knob(term: str, cfg, moe: bool = False) -> str:
     return (f"max_response_length (max_num_seqs is at its floor, one group of n={cfg.n} rows), or "
             "rollout_engine='vllm' (its paged KV cache grows with the sequences, within "
             "gpu_memory_utilization)")
+
+
+def _fitting_knob(term: str, cfg, m, world_size: int, gpu_gib: float, runtime_gib: float, engine: str,
+                  dp: int, moe: bool) -> str:
+    """What to turn, and to what, when `term` ("activations" or "logprob_buffer") is the largest part of a
+    peak that does not fit: every candidate is planned (cfg as asked, "auto" checkpointing planned for it),
+    so the value named fits this GPU. In order: checkpointing every block; for the log-prob buffer the
+    largest smaller logprob_chunk that fits; else the largest micro-batch that fits, as the run counts it
+    (ppo_micro_batch_size_per_gpu: a divisor of the per-rank mini-batch, as check_config asks; the token
+    budget ppo_max_token_len_per_gpu: a multiple of 1024, or one sequence, the least check_config takes),
+    with checkpointing where the budget alone does not fit. Where not even one sequence a micro-batch with
+    every block checkpointed fits, sequence parallelism or more GPUs; or, if the activations are then no
+    longer the largest term, what turns that one (_memory_knob). Each search is a bisection: memory grows
+    with the micro-batch, the chunk and the budget."""
+    def fits(**change):
+        p = _plan(dataclasses.replace(cfg, **change), m, world_size, gpu_gib, runtime_gib, engine, advise=False)
+        return p["verdict"] == "fits"
+    ckpt = cfg.gradient_checkpointing
+    if ckpt is not True and fits(gradient_checkpointing=True):
+        return "gradient_checkpointing=True"
+    if term == "logprob_buffer":
+        chunk = _largest_fitting(lambda c: fits(logprob_chunk=c), range(1, cfg.logprob_chunk))
+        if chunk is not None:
+            return f"logprob_chunk={chunk} (tokens a chunk of the fp32 log-prob computation)"
+    sp, seq = cfg.sp_size, cfg.max_prompt_length + cfg.max_response_length
+    one_seq = math.ceil(seq / sp)  # the least token budget: one sequence over the SP group
+    per_rank = cfg.ppo_mini_batch_size * cfg.n // dp
+    if cfg.use_dynamic_bsz:
+        now = cfg.ppo_max_token_len_per_gpu
+    else:
+        now = math.ceil(cfg.ppo_micro_batch_size_per_gpu * seq / sp)  # no budget fits that does not fit now
+    budgets = [one_seq] + list(range(1024 * (one_seq // 1024 + 1), now, 1024))
+    sizes = [k for k in range(1, cfg.ppo_micro_batch_size_per_gpu) if per_rank % k == 0]
+
+    def budget(**with_ckpt):
+        """The largest micro-batch that fits, as the knob to turn, or None."""
+        t = _largest_fitting(lambda t: fits(**with_ckpt, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=t),
+                             budgets)
+        tokens = None if t is None else f"ppo_max_token_len_per_gpu={t}"
+        if t is not None and cfg.log_prob_max_token_len_per_gpu * sp < seq:  # check_config asks it of both
+            tokens += f" and log_prob_max_token_len_per_gpu={one_seq}"
+        if cfg.use_dynamic_bsz:
+            over = f" over sp_size={sp} GPUs, {one_seq}" if sp > 1 else ""
+            return tokens and (f"{tokens} (the largest that fits: a multiple of 1024 tokens, or the least, one "
+                               f"sequence of max_prompt_length + max_response_length = {seq}{over})")
+        k = _largest_fitting(lambda k: fits(**with_ckpt, ppo_micro_batch_size_per_gpu=k), sizes)
+        if k is None:
+            return None
+        alternative = f"; or use_dynamic_bsz=True with {tokens}" if tokens else ""
+        return (f"ppo_micro_batch_size_per_gpu={k} (the largest divisor of the per-rank mini-batch of "
+                f"{per_rank} trajectories that fits{alternative})")
+    knob = budget()
+    if knob is None and ckpt is not True:
+        knob = budget(gradient_checkpointing=True)
+        knob = knob and f"gradient_checkpointing=True with {knob}"
+    if knob is not None:
+        return knob
+    least = {"gradient_checkpointing": True}
+    least.update({"ppo_max_token_len_per_gpu": one_seq} if cfg.use_dynamic_bsz else
+                 {"ppo_micro_batch_size_per_gpu": 1})
+    smallest = dataclasses.replace(cfg, **least)
+    p = _plan(smallest, m, world_size, gpu_gib, runtime_gib, engine, advise=False)
+    at_least = ", ".join(f"{k}={v}" for k, v in least.items())
+    if p["largest"] in ("activations", "logprob_buffer"):
+        return (f"sp_size (sequence parallelism splits each micro-batch's tokens over sp_size GPUs), or more "
+                f"GPUs: even one sequence a micro-batch ({at_least}) does not fit")
+    return (f"{_memory_knob(p['largest'], smallest, moe)}: even one sequence a micro-batch ({at_least}) does "
+            f"not fit, and then the largest term is the {MEMORY_TERMS[p['largest']][1]}")
+
+
+def _largest_fitting(fits, values):
+    """The largest of `values` (ascending, fits true of a prefix of them) for which fits(value) holds, or
+    None where not even the first does: a bisection, a few plans where a scan would take thousands."""
+    lo, hi = 0, len(values)  # values[:lo] fit, values[hi:] do not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(values[mid]):
+            lo = mid + 1
+        else:
+            hi = mid
+    return values[lo - 1] if lo else None
 
 
 def format_memory_plan(plans: list[dict]) -> str:

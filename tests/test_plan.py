@@ -3,6 +3,7 @@ every number worked out by hand."""
 import dataclasses
 import functools
 import os
+import re
 
 import pytest
 
@@ -124,9 +125,117 @@ def test_offload_that_would_fill_the_host_is_refused_before_loading():
 def test_memory_plan_without_checkpointing_keeps_every_block():
     p = plan.memory_plan(planner_cfg(gradient_checkpointing=False), planner_model(), 8, gpu_gib=1e-4, runtime_gib=0)
     assert round(p["gib"]["activations"] * GiB) == 2 * 128 * 1_792
-    p = plan.memory_plan(planner_cfg(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=64), planner_model(), 8,
-                             gpu_gib=1e-4, runtime_gib=0)
+    # 64 trajectories: checkpointing every block (activations 8,388,608 bytes, peak 10,233,216) fits 12 MB, not
+    # 1e-4 GiB, where even one trajectory with checkpointing leaves the working weights the largest term
+    cfg = planner_cfg(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=64)
+    p = plan.memory_plan(cfg, planner_model(), 8, gpu_gib=12e6 / GiB, runtime_gib=0)
     assert p["largest"] == "activations" and p["knob"] == "gradient_checkpointing=True"
+    assert plan.memory_plan(dataclasses.replace(cfg, gradient_checkpointing=True), planner_model(), 8, 12e6 / GiB,
+                            runtime_gib=0)["verdict"] == "fits"
+    p = plan.memory_plan(cfg, planner_model(), 8, gpu_gib=1e-4, runtime_gib=0)
+    assert p["largest"] == "activations" and p["knob"].startswith("tp_size")
+    assert ("even one sequence a micro-batch (gradient_checkpointing=True, ppo_micro_batch_size_per_gpu=1) does not "
+            "fit, and then the largest term is the unsharded compute-dtype weights") in p["knob"]
+
+
+# the knob of a plan whose activations do not fit, on Qwen2.5-1.5B (one GPU, the vLLM engine, the defaults: 64
+# trajectories a micro-batch of a per-rank mini-batch of 32 x 8 = 256, "auto" checkpointing): the value it names is
+# the largest that fits, each checked here by planning it
+
+QWEN_1_5B = M.ModelConfig.from_hf(hf.KNOWN_CONFIGS["qwen2.5-1.5b"])
+
+
+def _fits(cfg, gpu_gib, **change):
+    return plan.memory_plan(dataclasses.replace(cfg, **change), QWEN_1_5B, 1, gpu_gib,
+                            engine="vllm")["verdict"] == "fits"
+
+
+def _value(knob, key):
+    return int(re.search(rf"{key}=(\d+)", knob)[1])
+
+
+def _token_budget(knob):
+    """The token-budget alternative a knob names: {key: value} of each setting after "use_dynamic_bsz=True with"."""
+    alternative = knob.split("use_dynamic_bsz=True with ")[1].split(" (")[0].split(")")[0]
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", alternative)}
+
+
+@pytest.mark.parametrize("response,gpu_gib,ckpt", [
+    (4096, 80, False), (8192, 80, "auto"), (8192, 80, True), (8192, 80, False), (16384, 80, "auto"),
+    (16384, 141, "auto"), (16384, 80, True), (32768, 80, False)])
+def test_activation_knob_names_the_largest_micro_batch_that_fits(response, gpu_gib, ckpt):
+    """The plan does not fit: checkpointing every block, where that fits; else the largest micro-batch that
+    fits with checkpointing as asked (a divisor of the per-rank mini-batch, as check_config asks; the next
+    divisor does not fit), and the token-budget alternative (the next 1024 tokens do not fit); checkpointing
+    too where even one trajectory does not fit without it."""
+    cfg = T.Config(max_prompt_length=256, max_response_length=response, gradient_checkpointing=ckpt)
+    p = plan.memory_plan(cfg, QWEN_1_5B, 1, gpu_gib, engine="vllm")
+    assert p["verdict"] == "does not fit" and p["largest"] == "activations"
+    if ckpt is not True and _fits(cfg, gpu_gib, gradient_checkpointing=True):
+        assert p["knob"] == "gradient_checkpointing=True"
+        assert (response, ckpt) == (4096, False)  # here only: checkpointing alone does not fit at 8192 and up
+        return
+    assert p["knob"].startswith("gradient_checkpointing=True with " if ckpt is False and response == 32768
+                                else "ppo_micro_batch_size_per_gpu=")
+    if p["knob"].startswith("gradient_checkpointing=True"):
+        assert not _fits(cfg, gpu_gib, ppo_micro_batch_size_per_gpu=1)
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=True)
+    k = _value(p["knob"], "ppo_micro_batch_size_per_gpu")
+    assert 256 % k == 0 and k < 64 and _fits(cfg, gpu_gib, ppo_micro_batch_size_per_gpu=k)
+    assert not _fits(cfg, gpu_gib, ppo_micro_batch_size_per_gpu=next(d for d in range(k + 1, 257) if 256 % d == 0))
+    config.check_config(dataclasses.replace(cfg, ppo_micro_batch_size_per_gpu=k), 1, check_files=False)
+    budget = _token_budget(p["knob"])
+    t = budget["ppo_max_token_len_per_gpu"]
+    assert t % 1024 == 0 and t >= 256 + response
+    # the log-prob budget too where its default (32,768) is shorter than a sequence, as check_config asks
+    assert budget.get("log_prob_max_token_len_per_gpu") == (256 + response if response > 32768 - 256 else None)
+    assert _fits(cfg, gpu_gib, use_dynamic_bsz=True, **budget)
+    assert not _fits(cfg, gpu_gib, use_dynamic_bsz=True, **{**budget, "ppo_max_token_len_per_gpu": t + 1024})
+    config.check_config(dataclasses.replace(cfg, use_dynamic_bsz=True, **budget), 1, check_files=False)
+
+
+@pytest.mark.parametrize("response,gpu_gib", [(4096, 80), (8192, 80), (16384, 80), (16384, 141)])
+def test_activation_knob_names_the_largest_token_budget_that_fits(response, gpu_gib):
+    """use_dynamic_bsz=True with a budget of 2**20 tokens: the largest multiple of 1024 tokens that fits; the
+    next 1024 do not."""
+    cfg = T.Config(max_prompt_length=256, max_response_length=response, use_dynamic_bsz=True,
+                   ppo_max_token_len_per_gpu=2**20)
+    p = plan.memory_plan(cfg, QWEN_1_5B, 1, gpu_gib, engine="vllm")
+    assert p["verdict"] == "does not fit" and p["largest"] == "activations"
+    assert p["knob"].startswith("ppo_max_token_len_per_gpu=") and "micro_batch_size" not in p["knob"]
+    t = _value(p["knob"], "ppo_max_token_len_per_gpu")
+    assert t % 1024 == 0 and 256 + response <= t < 2**20
+    assert _fits(cfg, gpu_gib, ppo_max_token_len_per_gpu=t)
+    assert not _fits(cfg, gpu_gib, ppo_max_token_len_per_gpu=t + 1024)
+    config.check_config(dataclasses.replace(cfg, ppo_max_token_len_per_gpu=t), 1, check_files=False)
+
+
+def test_activation_knob_where_not_even_one_sequence_fits():
+    """A response of 2**20 tokens: one trajectory a micro-batch with every block checkpointed does not fit 80 GiB,
+    as a count or as a token budget; sequence parallelism splits it."""
+    for kw, least in ((dict(), dict(ppo_micro_batch_size_per_gpu=1)),
+                      (dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=2**21),
+                       dict(ppo_max_token_len_per_gpu=2**20 + 256))):
+        cfg = T.Config(max_prompt_length=256, max_response_length=2**20, **kw)
+        p = plan.memory_plan(cfg, QWEN_1_5B, 1, 80, engine="vllm")
+        assert p["largest"] == "activations" and p["knob"].startswith("sp_size")
+        assert not _fits(cfg, 80, gradient_checkpointing=True, **least)
+        assert ", ".join(f"{k}={v}" for k, v in least.items()) in p["knob"]
+
+
+def test_logprob_buffer_knob_names_the_largest_chunk_that_fits():
+    """The fp32 buffers of a chunk of 96 tokens (1,152,000 bytes) outgrow a micro-batch's activations (262,144):
+    the knob is the largest logprob_chunk that fits; one more token does not."""
+    cfg = planner_cfg(logprob_chunk=96)
+    full = plan.memory_plan(cfg, planner_model(), 8, 80, runtime_gib=0)
+    gpu_gib = (full["peak_gib"] - 40 * 1000 * 12 / GiB)
+    p = plan.memory_plan(cfg, planner_model(), 8, gpu_gib, runtime_gib=0)
+    assert p["largest"] == "logprob_buffer" and p["knob"].startswith("logprob_chunk=")
+    c = _value(p["knob"], "logprob_chunk")
+    assert c == 56
+    fits = [plan.memory_plan(planner_cfg(logprob_chunk=x), planner_model(), 8, gpu_gib, runtime_gib=0)["verdict"]
+            for x in (c, c + 1)]
+    assert fits == ["fits", "does not fit"]
 
 
 @pytest.mark.parametrize("shape,compile,measured", [
