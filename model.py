@@ -238,6 +238,9 @@ class AttnBatch:
     cu_seqlens: torch.Tensor | None = None  # int32 [docs + 1] document boundaries of a packed row
     cu_seqlens_list: list | None = None  # the same on the host (torch_npu's kernel takes host lengths)
     max_seqlen: int = 0
+    # packed, CUDA: attend with SDPA on the documents padded to the longest instead of flash varlen (set where
+    # that wastes little: padding_is_cheap)
+    pad_docs: bool = False
     kv_cache: list | None = None  # per layer (k, v), each [>= rows, kv_heads, >= cache_len, head_dim]
     cache_pos: torch.Tensor | None = None  # [rows] position the new token is written at
     cache_len: int = 0  # attend over cache[:, :, :cache_len]
@@ -269,13 +272,25 @@ def _varlen_available(device_type: str) -> bool:
     return device_type == "cuda" and varlen_attn is not None
 
 
-def packed_kernel(device_type: str, dtype: torch.dtype) -> str:
+# SDPA on padded documents may do this many times the causal attention work of the documents themselves:
+# on one H100, SDPA's flash kernel ran a 4k and a 16k document's forward + backward 1.8x as fast as flash
+# varlen with the keys repeated for GQA (bench/attention.py)
+PADDED_WORK = 1.5
+
+
+def padding_is_cheap(lens: list[int]) -> bool:
+    """Whether attention over these documents padded to the longest is at most PADDED_WORK times their own
+    (causal work grows with the square of a document's length): one document always, many of equal length."""
+    return len(lens) * max(lens) ** 2 <= PADDED_WORK * sum(n * n for n in lens)
+
+
+def packed_kernel(device_type: str, dtype: torch.dtype, pad_docs: bool = False) -> str:
     """The kernel for packed documents: "npu" (torch_npu's fused attention, which takes fp16, bf16 and
-    fp32), "varlen" (torch's flash varlen on CUDA, half precision only), else "gather" (SDPA on the documents
-    gathered into a padded batch: any device, any dtype)."""
+    fp32), "varlen" (torch's flash varlen on CUDA, half precision only) unless pad_docs, else "gather" (SDPA
+    on the documents gathered into a padded batch: any device, any dtype)."""
     if device_type == "npu":
         return "npu"
-    if dtype in (torch.float16, torch.bfloat16) and _varlen_available(device_type):
+    if dtype in (torch.float16, torch.bfloat16) and _varlen_available(device_type) and not pad_docs:
         return "varlen"
     return "gather"
 
@@ -308,7 +323,7 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=H != k.shape[2])
         return out.transpose(1, 2)
-    kernel = packed_kernel(q.device.type, q.dtype)  # packed documents (B == 1)
+    kernel = packed_kernel(q.device.type, q.dtype, batch.pad_docs)  # packed documents (B == 1)
     if kernel == "varlen":
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
@@ -322,7 +337,8 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
             q[0], k[0], v[0], H, "TND", atten_mask=_npu_causal_mask(q.device), scale=D ** -0.5, sparse_mode=3,
             actual_seq_qlen=ends, actual_seq_kvlen=ends)[0]
         return out.unsqueeze(0)
-    # no varlen kernel (CPU, fp32): SDPA on the documents gathered into a right-padded [docs, max_len] batch
+    # SDPA on the documents gathered into a right-padded [docs, max_len] batch (no varlen kernel: CPU, fp32;
+    # or little padding, where SDPA's kernel is the faster)
     # (causal, so no real token sees the padding); index maps without boolean masks, so a compiled block has a
     # static graph
     cu, L = batch.cu_seqlens.long().to(q.device), batch.max_seqlen
@@ -383,8 +399,9 @@ def split_for_sp(input_ids, position_ids, target_ids, routed_experts, batch: Att
     input_ids, position_ids, target_ids = input_ids[:, mine], position_ids[:, mine], target_ids[:, mine]
     if routed_experts is not None:
         routed_experts = routed_experts[:, mine]
+    lens = [b - a for a, b in zip(cu_list, cu_list[1:])]
     whole_row = AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu_list, max_seqlen=max(batch.max_seqlen, pad),
-                          sp_group=group)
+                          pad_docs=padding_is_cheap(lens), sp_group=group)
     return input_ids, position_ids, target_ids, routed_experts, whole_row
 
 
@@ -835,4 +852,5 @@ def pack_sequences(seqs: list[list[int]], device=None):
     pos = torch.cat([torch.arange(n) for n in lens]).to(device)[None]
     cu = list(itertools.accumulate(lens, initial=0))  # document boundaries: [0, len0, len0 + len1, ...]
     cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
-    return ids, pos, AttnBatch(cu_seqlens=cu_seqlens, cu_seqlens_list=cu, max_seqlen=max(lens))
+    return ids, pos, AttnBatch(cu_seqlens=cu_seqlens, cu_seqlens_list=cu, max_seqlen=max(lens),
+                               pad_docs=padding_is_cheap(lens))

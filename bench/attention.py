@@ -1,7 +1,8 @@
 """
-Causal attention forward + backward of one packed micro-batch, the kernels the update can use, at long lengths:
-model.attention as the trainer calls it (torch's flash varlen on CUDA), and SDPA on a [1, heads, T, D] batch
-per document (what transformers runs for one unpadded sequence). Attention FLOP/s against the bf16 matmul peak.
+Causal attention forward + backward of one packed micro-batch at long lengths, model.attention's two CUDA kernels
+(torch's flash varlen, the keys repeated for GQA; SDPA on the documents padded to the longest, which the trainer
+takes where padding wastes little: model.padding_is_cheap) and SDPA called per document (what transformers runs for
+one unpadded sequence). Attention FLOP/s against the bf16 matmul peak.
 
     python bench/attention.py --lengths 4352,8448,16640 --docs 1
 """
@@ -45,7 +46,8 @@ for L in map(int, args.lengths.split(",")):
     k = torch.randn(1, T, KVH, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, T, KVH, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int32)
-    batch = M.AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu.tolist(), max_seqlen=L)
+    varlen = M.AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu.tolist(), max_seqlen=L, pad_docs=False)
+    padded = M.AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu.tolist(), max_seqlen=L, pad_docs=True)
 
     def per_doc_sdpa(q, k, v):
         outs = [F.scaled_dot_product_attention(q[:, s:s + L].transpose(1, 2), k[:, s:s + L].transpose(1, 2),
@@ -54,11 +56,12 @@ for L in map(int, args.lengths.split(",")):
         return torch.cat(outs, dim=2).transpose(1, 2)
     flops = 3 * 2 * 2 * H * D * args.docs * L * L / 2  # causal: half of QK^T and PV, forward x 3 for backward
     row = {}
-    for name, fn in (("model.attention (varlen)", lambda q, k, v: M.attention(q, k, v, batch)),
+    for name, fn in (("model.attention, varlen", lambda q, k, v: M.attention(q, k, v, varlen)),
+                     ("model.attention, padded SDPA", lambda q, k, v: M.attention(q, k, v, padded)),
                      ("sdpa per document", per_doc_sdpa)):
         s = median_seconds(fwd_bwd(fn, q, k, v), dev, args.reps)
         row[name] = {"s": round(s, 5), "TFLOPs": round(flops / s / 1e12, 1), "of_peak": round(flops / s / peak, 3)}
-        print(f"T {L} x {args.docs}: {name:26s} {s * 1e3:8.2f} ms  {flops / s / 1e12:6.1f} TFLOP/s "
+        print(f"T {L} x {args.docs}: {name:30s} {s * 1e3:8.2f} ms  {flops / s / 1e12:6.1f} TFLOP/s "
               f"({flops / s / peak:.0%} of the matmul peak)", flush=True)
     res["rows"][str(L)] = row
 dump(res, out_path(args.out, "attention"))

@@ -50,18 +50,24 @@ def test_wandb_offline_run_holds_our_metrics(tmp_path, monkeypatch):
 
 def wandb_records(path):
     """An offline run's .wandb file: a 7-byte header, then LevelDB-log records (crc32, length, type) of
-    wandb's protobuf Records in 32 KiB blocks."""
+    wandb's protobuf Records in 32 KiB blocks. A record that crosses a block's end comes in fragments (type
+    FIRST, MIDDLE..., LAST), joined here before parsing: where it falls depends on what came before it."""
     from wandb.proto import wandb_internal_pb2
-    data, pos, out = open(path, "rb").read(), 7, []
+    full, first, middle, last = 1, 2, 3, 4
+    data, pos, out, parts = open(path, "rb").read(), 7, [], []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _, n, _ = struct.unpack("<IHB", data[pos:pos + 7])
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data[pos + 7:pos + 7 + n])
-        out.append(record)
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        assert kind in (full, first, middle, last), f"record type {kind} at byte {pos}"
+        parts.append(data[pos + 7:pos + 7 + n])
         pos += 7 + n
+        if kind in (full, last):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            out.append(record)
+            parts = []
     return out
 
 

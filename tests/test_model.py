@@ -281,3 +281,40 @@ def test_checkpointing_the_first_n_blocks_recomputes_only_those(monkeypatch):
     assert calls == [0, 1, 2, 1, 0]  # forward of all three, then in backward the recompute of blocks 1 and 0 only
     for a, p in zip(ref, m.parameters()):
         assert torch.allclose(a, p.grad, atol=1e-6)
+
+
+def test_padding_is_cheap_where_padded_attention_work_is_within_the_bound():
+    """SDPA on padded documents replaces flash varlen only where the padded causal work, docs x longest^2, is
+    at most PADDED_WORK times the documents' own, sum of length^2: one document, equal lengths; not a long
+    document packed with short ones."""
+    assert M.padding_is_cheap([16640])
+    assert M.padding_is_cheap([4352, 4352])
+    assert M.padding_is_cheap([1000, 600])  # 2e6 <= 1.5 x 1.36e6 = 2.04e6
+    assert not M.padding_is_cheap([1000, 500])  # 2e6 > 1.5 x 1.25e6 = 1.875e6
+    assert not M.padding_is_cheap([16384, 512, 700, 300])
+    assert M.PADDED_WORK == 1.5
+
+
+def test_pack_sequences_marks_documents_that_pad_cheaply():
+    _, _, one = M.pack_sequences([[1] * 300])
+    _, _, mixed = M.pack_sequences([[1] * 300, [2] * 20, [3] * 5])
+    assert one.pad_docs and not mixed.pad_docs
+
+
+def test_attention_gives_the_same_output_with_documents_padded_or_not():
+    """The two packed kernels on the CPU: the padded (gather) path is what both take there, so compare it with
+    SDPA run per document on the same q, k, v, in float64, for documents that pad cheaply and that do not."""
+    g = torch.Generator().manual_seed(0)
+    for lens in ([37], [20, 20], [30, 3, 11]):
+        T = sum(lens)
+        q = torch.randn(1, T, 4, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, T, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        _, _, batch = M.pack_sequences([[0] * n for n in lens])
+        out = M.attention(q, k, v, batch)
+        ref, s = [], 0
+        for n in lens:
+            ref.append(torch.nn.functional.scaled_dot_product_attention(
+                q[:, s:s + n].transpose(1, 2), k[:, s:s + n].transpose(1, 2), v[:, s:s + n].transpose(1, 2),
+                is_causal=True, enable_gqa=True).transpose(1, 2))
+            s += n
+        torch.testing.assert_close(out, torch.cat(ref, dim=1), rtol=1e-12, atol=1e-12)
