@@ -342,6 +342,11 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
     # (causal, so no real token sees the padding); index maps without boolean masks, so a compiled block has a
     # static graph
     cu, L = batch.cu_seqlens.long().to(q.device), batch.max_seqlen
+    docs = cu.shape[0] - 1
+    if docs * L == T:  # documents of one length: the padded batch is a view (no gather, no scatter in backward)
+        q_docs, k_docs, v_docs = (t[0].view(docs, L, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=H != k.shape[2])
+        return out.transpose(1, 2).reshape(1, T, H, D)
     tok = torch.arange(T, device=q.device)
     doc = torch.bucketize(tok, cu[1:], right=True)  # each token's document
     idx = (cu[:-1, None] + torch.arange(L, device=q.device)).clamp(max=T - 1)  # token in each [docs, L] slot
