@@ -238,9 +238,9 @@ class AttnBatch:
     cu_seqlens: torch.Tensor | None = None  # int32 [docs + 1] document boundaries of a packed row
     cu_seqlens_list: list | None = None  # the same on the host (torch_npu's kernel takes host lengths)
     max_seqlen: int = 0
-    # packed, CUDA: attend with SDPA on the documents padded to the longest instead of flash varlen (set where
-    # that wastes little: padding_is_cheap)
-    pad_docs: bool = False
+    # packed, documents of one length (a micro-batch of one sequence, say): attend with SDPA on them as a
+    # [docs, length] batch, a view of the row, instead of flash varlen (set when packing: equal_lengths)
+    equal_docs: bool = False
     kv_cache: list | None = None  # per layer (k, v), each [>= rows, kv_heads, >= cache_len, head_dim]
     cache_pos: torch.Tensor | None = None  # [rows] position the new token is written at
     cache_len: int = 0  # attend over cache[:, :, :cache_len]
@@ -272,25 +272,23 @@ def _varlen_available(device_type: str) -> bool:
     return device_type == "cuda" and varlen_attn is not None
 
 
-# SDPA on padded documents may do this many times the causal attention work of the documents themselves:
-# on one H100, SDPA's flash kernel ran a 4k and a 16k document's forward + backward 1.8x as fast as flash
-# varlen with the keys repeated for GQA (bench/attention.py)
-PADDED_WORK = 1.5
+def equal_lengths(lens: list[int]) -> bool:
+    """Documents of one length: SDPA takes them as a batch, a view of the packed row. On one H100 and one H200,
+    SDPA's kernel ran a 16k document's forward + backward 1.6-1.9x as fast as flash varlen with the keys
+    repeated for GQA (bench/attention.py)."""
+    return len(set(lens)) == 1
 
 
-def padding_is_cheap(lens: list[int]) -> bool:
-    """Whether attention over these documents padded to the longest is at most PADDED_WORK times their own
-    (causal work grows with the square of a document's length): one document always, many of equal length."""
-    return len(lens) * max(lens) ** 2 <= PADDED_WORK * sum(n * n for n in lens)
-
-
-def packed_kernel(device_type: str, dtype: torch.dtype, pad_docs: bool = False) -> str:
+def packed_kernel(device_type: str, dtype: torch.dtype, equal_docs: bool = False) -> str:
     """The kernel for packed documents: "npu" (torch_npu's fused attention, which takes fp16, bf16 and
-    fp32), "varlen" (torch's flash varlen on CUDA, half precision only) unless pad_docs, else "gather" (SDPA
-    on the documents gathered into a padded batch: any device, any dtype)."""
+    fp32), "sdpa" (documents of one length, as a [docs, length] batch), "varlen" (torch's flash varlen on
+    CUDA, half precision only), else "gather" (SDPA on the documents gathered into a padded batch: any
+    device, any dtype)."""
     if device_type == "npu":
         return "npu"
-    if dtype in (torch.float16, torch.bfloat16) and _varlen_available(device_type) and not pad_docs:
+    if equal_docs:
+        return "sdpa"
+    if dtype in (torch.float16, torch.bfloat16) and _varlen_available(device_type):
         return "varlen"
     return "gather"
 
@@ -323,7 +321,12 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=H != k.shape[2])
         return out.transpose(1, 2)
-    kernel = packed_kernel(q.device.type, q.dtype, batch.pad_docs)  # packed documents (B == 1)
+    kernel = packed_kernel(q.device.type, q.dtype, batch.equal_docs)  # packed documents (B == 1)
+    if kernel == "sdpa":  # documents of one length: the [docs, length] batch is a view (no gather or scatter)
+        docs, L = batch.cu_seqlens.shape[0] - 1, batch.max_seqlen
+        q_docs, k_docs, v_docs = (t[0].view(docs, L, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=H != k.shape[2])
+        return out.transpose(1, 2).reshape(1, T, H, D)
     if kernel == "varlen":
         if H != k.shape[2]:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
@@ -337,16 +340,10 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
             q[0], k[0], v[0], H, "TND", atten_mask=_npu_causal_mask(q.device), scale=D ** -0.5, sparse_mode=3,
             actual_seq_qlen=ends, actual_seq_kvlen=ends)[0]
         return out.unsqueeze(0)
-    # SDPA on the documents gathered into a right-padded [docs, max_len] batch (no varlen kernel: CPU, fp32;
-    # or little padding, where SDPA's kernel is the faster)
+    # no varlen kernel (CPU, fp32): SDPA on the documents gathered into a right-padded [docs, max_len] batch
     # (causal, so no real token sees the padding); index maps without boolean masks, so a compiled block has a
     # static graph
     cu, L = batch.cu_seqlens.long().to(q.device), batch.max_seqlen
-    docs = cu.shape[0] - 1
-    if docs * L == T:  # documents of one length: the padded batch is a view (no gather, no scatter in backward)
-        q_docs, k_docs, v_docs = (t[0].view(docs, L, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=H != k.shape[2])
-        return out.transpose(1, 2).reshape(1, T, H, D)
     tok = torch.arange(T, device=q.device)
     doc = torch.bucketize(tok, cu[1:], right=True)  # each token's document
     idx = (cu[:-1, None] + torch.arange(L, device=q.device)).clamp(max=T - 1)  # token in each [docs, L] slot
@@ -406,7 +403,7 @@ def split_for_sp(input_ids, position_ids, target_ids, routed_experts, batch: Att
         routed_experts = routed_experts[:, mine]
     lens = [b - a for a, b in zip(cu_list, cu_list[1:])]
     whole_row = AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu_list, max_seqlen=max(batch.max_seqlen, pad),
-                          pad_docs=padding_is_cheap(lens), sp_group=group)
+                          equal_docs=equal_lengths(lens), sp_group=group)
     return input_ids, position_ids, target_ids, routed_experts, whole_row
 
 
@@ -858,4 +855,4 @@ def pack_sequences(seqs: list[list[int]], device=None):
     cu = list(itertools.accumulate(lens, initial=0))  # document boundaries: [0, len0, len0 + len1, ...]
     cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
     return ids, pos, AttnBatch(cu_seqlens=cu_seqlens, cu_seqlens_list=cu, max_seqlen=max(lens),
-                               pad_docs=padding_is_cheap(lens))
+                               equal_docs=equal_lengths(lens))

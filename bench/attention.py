@@ -1,7 +1,7 @@
 """
 Causal attention forward + backward of one packed micro-batch at long lengths, model.attention's two CUDA kernels
-(torch's flash varlen, the keys repeated for GQA; SDPA on the documents padded to the longest, which the trainer
-takes where padding wastes little: model.padding_is_cheap) and SDPA called per document (what transformers runs for
+(torch's flash varlen, the keys repeated for GQA; SDPA on a [docs, length] view, which the trainer takes where
+every document has one length: model.equal_lengths) and SDPA called per document (what transformers runs for
 one unpadded sequence). Attention FLOP/s against the bf16 matmul peak.
 
     python bench/attention.py --lengths 4352,8448,16640 --docs 1
@@ -46,8 +46,8 @@ for L in map(int, args.lengths.split(",")):
     k = torch.randn(1, T, KVH, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, T, KVH, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     cu = torch.arange(0, T + 1, L, device=dev, dtype=torch.int32)
-    varlen = M.AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu.tolist(), max_seqlen=L, pad_docs=False)
-    padded = M.AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu.tolist(), max_seqlen=L, pad_docs=True)
+    varlen = M.AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu.tolist(), max_seqlen=L, equal_docs=False)
+    view = M.AttnBatch(cu_seqlens=cu, cu_seqlens_list=cu.tolist(), max_seqlen=L, equal_docs=True)
 
     def per_doc_sdpa(q, k, v):
         outs = [F.scaled_dot_product_attention(q[:, s:s + L].transpose(1, 2), k[:, s:s + L].transpose(1, 2),
@@ -57,7 +57,7 @@ for L in map(int, args.lengths.split(",")):
     flops = 3 * 2 * 2 * H * D * args.docs * L * L / 2  # causal: half of QK^T and PV, forward x 3 for backward
     row = {}
     for name, fn in (("model.attention, varlen", lambda q, k, v: M.attention(q, k, v, varlen)),
-                     ("model.attention, padded SDPA", lambda q, k, v: M.attention(q, k, v, padded)),
+                     ("model.attention, SDPA view", lambda q, k, v: M.attention(q, k, v, view)),
                      ("sdpa per document", per_doc_sdpa)):
         s = median_seconds(fwd_bwd(fn, q, k, v), dev, args.reps)
         row[name] = {"s": round(s, 5), "TFLOPs": round(flops / s / 1e12, 1), "of_peak": round(flops / s / peak, 3)}

@@ -436,7 +436,7 @@ if unknown:
 
 
 def side_key(side: str, R: int) -> str:
-    return side if len(RESPONSE_LENS) == 1 else f"{side}@{R}"
+    return side if len(RESPONSE_LENS) == 1 else f"{side}_{R}"  # also a file name: no odd characters
 
 
 def matmul_peak_flops() -> float | None:

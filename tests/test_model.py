@@ -283,27 +283,20 @@ def test_checkpointing_the_first_n_blocks_recomputes_only_those(monkeypatch):
         assert torch.allclose(a, p.grad, atol=1e-6)
 
 
-def test_padding_is_cheap_where_padded_attention_work_is_within_the_bound():
-    """SDPA on padded documents replaces flash varlen only where the padded causal work, docs x longest^2, is
-    at most PADDED_WORK times the documents' own, sum of length^2: one document, equal lengths; not a long
-    document packed with short ones."""
-    assert M.padding_is_cheap([16640])
-    assert M.padding_is_cheap([4352, 4352])
-    assert M.padding_is_cheap([1000, 600])  # 2e6 <= 1.5 x 1.36e6 = 2.04e6
-    assert not M.padding_is_cheap([1000, 500])  # 2e6 > 1.5 x 1.25e6 = 1.875e6
-    assert not M.padding_is_cheap([16384, 512, 700, 300])
-    assert M.PADDED_WORK == 1.5
-
-
-def test_pack_sequences_marks_documents_that_pad_cheaply():
+def test_pack_sequences_marks_documents_of_one_length():
+    """SDPA on a [docs, length] view replaces flash varlen only where every document has one length (one
+    sequence a micro-batch, or responses that all ran to max_response_length): no padding, no gather."""
+    assert M.equal_lengths([16640]) and M.equal_lengths([4352, 4352])
+    assert not M.equal_lengths([4352, 4351])
     _, _, one = M.pack_sequences([[1] * 300])
+    _, _, two = M.pack_sequences([[1] * 30, [2] * 30])
     _, _, mixed = M.pack_sequences([[1] * 300, [2] * 20, [3] * 5])
-    assert one.pad_docs and not mixed.pad_docs
+    assert one.equal_docs and two.equal_docs and not mixed.equal_docs
 
 
-def test_attention_gives_the_same_output_with_documents_padded_or_not():
-    """The two packed kernels on the CPU: the padded (gather) path is what both take there, so compare it with
-    SDPA run per document on the same q, k, v, in float64, for documents that pad cheaply and that do not."""
+def test_attention_of_packed_documents_equals_sdpa_per_document():
+    """The packed kernels the CPU runs, in float64 against SDPA called on each document alone: the [docs,
+    length] view for documents of one length (one, two), the gathered padded batch for mixed lengths."""
     g = torch.Generator().manual_seed(0)
     for lens in ([37], [20, 20], [30, 3, 11]):
         T = sum(lens)

@@ -18,9 +18,11 @@ def test_packed_kernel_by_device_type_and_dtype(monkeypatch):
     assert M.packed_kernel("cuda", torch.float32) == "gather"  # flash kernels: half precision only
     monkeypatch.setattr(M, "_varlen_available", lambda device_type: device_type == "cuda")
     assert all(M.packed_kernel("cuda", dtype) == "varlen" for dtype in HALF)
-    # documents that pad cheaply go to SDPA, whose kernel is the faster; an NPU keeps its own
-    assert all(M.packed_kernel("cuda", dtype, pad_docs=True) == "gather" for dtype in HALF)
-    assert M.packed_kernel("npu", torch.bfloat16, pad_docs=True) == "npu"
+    # documents of one length go to SDPA as a [docs, length] view, whose kernel is the faster; an NPU keeps
+    # its own
+    for device_type in ("cuda", "cpu"):
+        assert all(M.packed_kernel(device_type, dtype, equal_docs=True) == "sdpa" for dtype in (*HALF, torch.float32))
+    assert M.packed_kernel("npu", torch.bfloat16, equal_docs=True) == "npu"
     monkeypatch.setattr(M, "_varlen_available", lambda device_type: False)  # torch without varlen_attn
     assert all(M.packed_kernel("cuda", dtype) == "gather" for dtype in HALF)
 
@@ -58,7 +60,7 @@ def test_npu_fusion_attention_gets_tnd_layout_and_matches_the_cpu_path(monkeypat
     with torch.no_grad():
         cpu = m(ids, pos, M.pack_sequences(docs)[2])  # the gather path
         real = M.packed_kernel
-        monkeypatch.setattr(M, "packed_kernel", lambda device_type, dtype, pad_docs: real("npu", dtype))  # as on an NPU
+        monkeypatch.setattr(M, "packed_kernel", lambda device_type, dtype, equal_docs: real("npu", dtype))  # as on an NPU
         npu = m(ids, pos, M.pack_sequences(docs)[2])
         assert len(calls) == 2  # one per layer
         m(ids)  # the padded path (no documents) stays on SDPA
