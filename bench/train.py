@@ -30,7 +30,7 @@ import model as M  # noqa: E402
 import parallel  # noqa: E402
 import train_dapo as T  # noqa: E402
 from bench.common import (dump, matmul_peak, model_config, out_path, peak_breakdown, random_model, sync,  # noqa: E402
-                          timed, versions)
+                          timed, update_flops, versions)
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
@@ -140,7 +140,7 @@ H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
 HEAD = V * H
 N_BLOCKS = cfg.num_active_params() - V * H * (1 if cfg.tie_word_embeddings else 2)  # blocks (top-k experts) + norm
 ATTN_FWD = 2 * L * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lens)  # causal, forward
-FLOPS_MODEL = 6 * N_BLOCKS * NTOK + 6 * HEAD * RESP_TOK + 3 * ATTN_FWD
+FLOPS_MODEL = update_flops(cfg, seq_lens, resp_lens)  # = 6 * N_BLOCKS * NTOK + 6 * HEAD * RESP_TOK + 3 * ATTN_FWD
 FLOPS_NONEMB = 6 * N_BLOCKS * NTOK + 3 * ATTN_FWD
 
 
