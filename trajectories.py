@@ -6,7 +6,7 @@ What one training step passes around, and its step 3 (scoring):
   reference log-probs and advantages as the step goes on);
 - generate_and_score: generate on a rollout engine, decode, verify, shape overlong responses -> Trajectories;
   generate_share: one engine's slice of the prompts;
-- timed: the phase timer behind the timing_s/* metrics.
+- timed: the phase timer behind the timing_s/* metrics and each phase's peak memory.
 
 The engines (rollout.py) know nothing of rewards or of the loop; train_dapo.py and async_rollout.py call
 these.
