@@ -388,6 +388,7 @@ def nanodapo_side(name, engine, R):
     side["micro_batch"] = mb
     side["response_tokens"] = [r.get("response_length/mean", 0) * P * G for r in rows]
     side["reward_mean"] = [r.get("train/score_mean") for r in rows]
+    side["compiled_graphs"] = [r.get("perf/compiled_graphs") for r in rows]  # a compile inside a timed step
     # the engine's log-probs against the trainer's (None where the engine gave none: vLLM by default)
     side["logp_mismatch"] = [r.get("rollout/logp_mismatch") for r in rows]
     return side
