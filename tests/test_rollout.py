@@ -292,11 +292,14 @@ def test_a_new_token_count_does_not_compile_the_log_prob_head_again():
     parallel.apply_compile(m, dynamic=True)
     g = torch.Generator().manual_seed(0)
     new_graphs = []
-    for response_len in (4, 3):  # two documents: 2 x 4 response tokens, then 4 + 3
+    # two documents: 2 x 4 response tokens, then 4 + 3; of different lengths both times, so that the blocks'
+    # attention kernel (documents of one length take another) stays the same
+    for response_len in (4, 3):
         docs = [torch.randint(0, 16, (5 + 4,), generator=g).tolist(),
-                torch.randint(0, 16, (6 + response_len,), generator=g).tolist()]
+                torch.randint(0, 16, (7 + response_len,), generator=g).tolist()]
         ids, pos, batch = M.pack_sequences([d[:-1] for d in docs])
-        prompts = (5, 6)
+        assert not batch.equal_docs
+        prompts = (5, 7)
         target = torch.tensor([t for d, p in zip(docs, prompts) for t in [M.IGNORE_INDEX] * (p - 1) + d[p:]])[None]
         before = counters["stats"]["unique_graphs"]
         logp, _ = m(ids, pos, batch, target_ids=target, with_entropy="detached", logprob_chunk=4)
@@ -312,6 +315,31 @@ def test_a_new_token_count_does_not_compile_the_log_prob_head_again():
     with torch.no_grad():
         m(ids, pos, batch, target_ids=target, logprob_chunk=4, temperature=0.7)
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.slow  # torch.compile (Inductor)
+def test_the_blocks_compile_once_per_attention_kernel_whatever_the_lengths():
+    """Documents of one length take SDPA on a view, mixed lengths the other kernel, and a single document is a
+    case of its own (a batch of one, which torch specializes): the first micro-batch of each kind compiles the
+    blocks, and later micro-batches of new lengths and new document counts compile nothing. So a run compiles
+    at most three times, each at the first micro-batch of its kind."""
+    if (why := compile_unavailable()) is not None:
+        pytest.skip(why)
+    torch._dynamo.reset()
+    m = tiny_model(3, vocab=16, layers=2).train()
+    parallel.apply_compile(m, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    new_graphs = []
+    for lens in ([12, 12], [12, 9], [20, 20, 20], [7, 30, 11], [25, 25], [5, 8], [40], [33]):
+        ids, pos, batch = M.pack_sequences([torch.randint(0, 16, (n,), generator=g).tolist() for n in lens])
+        assert batch.equal_docs == (len(set(lens)) == 1)
+        before = counters["stats"]["unique_graphs"]
+        logp, _ = m(ids, pos, batch, target_ids=ids, logprob_chunk=4)
+        logp.sum().backward()
+        new_graphs.append(counters["stats"]["unique_graphs"] - before)
+    first_of_a_kind = [0, 1, 6]  # [12, 12], [12, 9], [40]
+    assert all(new_graphs[i] > 0 for i in first_of_a_kind), new_graphs
+    assert all(n == 0 for i, n in enumerate(new_graphs) if i not in first_of_a_kind), new_graphs
 
 
 @pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])  # q/k/v biases; q/k norms
