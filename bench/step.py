@@ -33,6 +33,8 @@ import torch  # noqa: E402
 import data  # noqa: E402
 import hf  # noqa: E402
 import plan  # noqa: E402
+import train_dapo  # noqa: E402
+from config import parse_args  # noqa: E402
 from bench.common import (VLLM_ENV, dump, model_config, out_path, sync, timed, update_flops,  # noqa: E402
                           write_random_model)
 from bench.hash_reward import trl_reward  # noqa: E402
@@ -54,7 +56,7 @@ p.add_argument("--response-len", default="512",
 p.add_argument("--micro-batch", type=int, default=16, help="trajectories per forward/backward, both sides")
 p.add_argument("--micro-batch-tokens", type=int, default=0,
                help="instead of --micro-batch: at each length, as many trajectories per forward/backward as fit this "
-                    "many tokens (at least one), both sides")
+                    "many tokens (at least one, and a divisor of a step's trajectories), both sides")
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--timeout", type=int, default=480, help="seconds per side at most")
@@ -302,10 +304,14 @@ def prepare():
 
 
 def micro_batch(R: int) -> int:
-    """Trajectories per forward/backward at response length R, both sides."""
-    if args.micro_batch_tokens:
-        return max(1, args.micro_batch_tokens // (args.prompt_len + R))
-    return args.micro_batch
+    """Trajectories per forward/backward at response length R, both sides: with --micro-batch-tokens the most
+    that fit that many tokens (at least one) and divide a step's trajectories, as both trainers require."""
+    if not args.micro_batch_tokens:
+        return args.micro_batch
+    k = max(1, args.micro_batch_tokens // (args.prompt_len + R))
+    while (args.prompts * args.n) % k:
+        k -= 1
+    return k
 
 
 def gpu_gib() -> float | None:
@@ -325,8 +331,6 @@ def planned(cfg_path: str, engine: str) -> dict | None:
     gib = gpu_gib()
     if gib is None:
         return None
-    import train_dapo
-    from config import parse_args
     cfg, _ = parse_args(train_dapo.Config, [cfg_path] + args.nanodapo_args.split())
     mp = plan.memory_plan(cfg, hf.load_config(MODEL), 1, gib, engine=engine)
     return {"gpu_gib": round(gib, 1), "peak": round(mp["peak_gib"], 2), "verdict": mp["verdict"],
