@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import train_dapo as T
 
@@ -40,12 +41,23 @@ def test_wandb_offline_run_holds_our_metrics(tmp_path, monkeypatch):
     assert (run.project, run.name, run.config["experiment_name"]) == ("verl_proj", "exp1", "exp1")
     log.close()  # finishes the wandb run
     [path] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    records = wandb_records(path)
+    records = finished_records(path)
     assert [(r.run.project, r.run.display_name) for r in records if r.HasField("run")] == [("verl_proj", "exp1")]
     history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
                for r in records if r.HasField("history")]
     assert [{k: h[k] for k in h if not k.startswith("_")} | {"_step": h["_step"]} for h in history] == [
         {"train/acc": 0.25, "val/acc@4": 0.5, "_step": 1}, {"train/acc": 0.75, "_step": 2}]
+
+
+def finished_records(path, timeout_s: float = 60.0):
+    """The run's records once its exit record is on disk: wandb's service process writes the file, and on a
+    loaded machine it can still be writing when finish() has returned (once, a full test run read no record)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(path)
+        if any(r.HasField("exit") for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
 
 
 def wandb_records(path):
@@ -60,6 +72,8 @@ def wandb_records(path):
             pos += 32768 - pos % 32768
             continue
         _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + n > len(data):  # the writer is still at it
+            break
         assert kind in (full, first, middle, last), f"record type {kind} at byte {pos}"
         parts.append(data[pos + 7:pos + 7 + n])
         pos += 7 + n
