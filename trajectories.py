@@ -92,7 +92,7 @@ def concat_trajectories(parts: list[Trajectories], R: int) -> Trajectories:
 
 
 PEAK_GIB = "peak_gib"  # timing's key for the phases' peaks of torch's allocator, {phase: GiB}
-_open_phases = []  # [name, peak bytes so far] of the timed blocks now open on this process, outermost first
+_open_peaks = []  # peak bytes so far of each timed block now open on this process, outermost first
 
 
 def _gpu_allocator():
@@ -108,19 +108,17 @@ def timed(name: str, timing: dict):
     all of it."""
     gpu = _gpu_allocator()
     if gpu is not None:
-        for phase in _open_phases:
-            phase[1] = max(phase[1], gpu.max_memory_allocated())
+        _open_peaks[:] = [max(p, gpu.max_memory_allocated()) for p in _open_peaks]
         gpu.reset_peak_memory_stats()
-        _open_phases.append([name, 0])
+        _open_peaks.append(0)
     t0 = time.perf_counter()
     try:
         yield
     finally:
         timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
         if gpu is not None:
-            peak = max(_open_phases.pop()[1], gpu.max_memory_allocated())
-            for phase in _open_phases:
-                phase[1] = max(phase[1], peak)
+            peak = max(_open_peaks.pop(), gpu.max_memory_allocated())
+            _open_peaks[:] = [max(p, peak) for p in _open_peaks]
             peaks = timing.setdefault(PEAK_GIB, {})
             peaks[name] = max(peaks.get(name, 0.0), peak / 2**30)
 

@@ -390,7 +390,6 @@ def nanodapo_side(name, engine, R):
     except Exception as e:  # the plan is a comparison: its failure must not lose the measured side
         RES["errors"][f"{name}_plan"] = repr(e)
     side["micro_batch"] = mb
-    side["response_tokens"] = [r.get("response_length/mean", 0) * P * G for r in rows]
     side["reward_mean"] = [r.get("train/score_mean") for r in rows]
     side["compiled_graphs"] = [r.get("perf/compiled_graphs") for r in rows]  # a compile inside a timed step
     # the engine's log-probs against the trainer's (None where the engine gave none: vLLM by default)

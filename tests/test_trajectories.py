@@ -58,7 +58,7 @@ def test_nested_phase_keeps_the_outer_peak(gpu):
         gpu.alloc(1 * GiB)
     assert timing["peak_gib"]["ref"] == 13.0
     assert timing["peak_gib"]["old_log_prob"] == 20.0
-    assert trajectories._open_phases == []
+    assert trajectories._open_peaks == []
 
 
 def test_inner_peak_reaches_the_outer_phase(gpu):
@@ -86,12 +86,13 @@ def test_an_exception_closes_the_phase(gpu):
         with trajectories.timed("gen", timing):
             gpu.alloc(GiB)
             raise RuntimeError("out of memory")
-    assert trajectories._open_phases == []
+    assert trajectories._open_peaks == []
     assert timing["peak_gib"] == {"gen": 1.0}
 
 
-def test_no_gpu_no_peaks():
-    """On the CPU (no CUDA allocator in use) timing holds seconds only."""
+def test_no_gpu_no_peaks(monkeypatch):
+    """Without a GPU allocator in use (the CPU) timing holds seconds only."""
+    monkeypatch.setattr(trajectories, "_gpu_allocator", lambda: None)
     timing = {}
     with trajectories.timed("gen", timing):
         pass
