@@ -1,5 +1,5 @@
-"""What the bench/ scripts share: results JSON, device timing, the vLLM environment, random-init models, the
-peak of a CUDA memory history by allocation site."""
+"""What the bench/ scripts share: results JSON, device timing, a profile's kernel time by kind, the vLLM
+environment, random-init models, the peak of a CUDA memory history by allocation site."""
 import importlib.metadata
 import json
 import os
@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import hf
 import model as M
@@ -93,6 +94,72 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     peak = 2 * n ** 3 / median_seconds(lambda: torch.matmul(a, b, out=c), device, reps)
     assert torch.isfinite(c).all()
     return peak
+
+
+KERNEL_KINDS = (  # first match wins; names of CUDA kernels (cuBLAS/CUTLASS/nvjet GEMMs, flash attention, torch's own)
+    ("attention", ("flash", "fmha", "attention", "sdpa")),  # before matmul: flash kernels name cutlass types
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "addmm", "aten::mm", "mmbackward")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy/cast", ("copy", "cast", "convert", "fill")),
+    ("reduction (softmax, norms, sums)", ("reduce", "softmax", "norm", "logsumexp", "cross_entropy")),
+    ("elementwise", ("elementwise", "vectorized", "index", "gather", "scatter")),
+    ("communication", ("nccl",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower().replace("nocast", "")  # torch's gpu_kernel_impl_nocast<...> is element-wise, not a cast
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "other")
+
+
+def profile_call(fn, device: torch.device) -> dict:
+    """fn() once under torch.profiler: the wall time, the summed kernel time by kind (GPU: device kernels;
+    CPU: operators' self time), the top 12 kernels and, on a GPU, the top 15 operators but matmuls (with their input
+    shapes) by the device time of the kernels they launch. Kernel time below wall time = the GPU waited on the host."""
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=cuda) as prof:
+        wall, _ = timed(fn, device)
+    if cuda:
+        evts = [e for e in prof.key_averages()  # not "## Call CompiledFxGraph ##": annotations span kernels
+                if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("##")]
+        us = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in evts]
+    else:
+        evts = list(prof.key_averages())
+        us = [e.self_cpu_time_total for e in evts]
+    total = sum(us) / 1e6
+    kinds = {}
+    for e, u in zip(evts, us):
+        k = kernel_kind(e.key)
+        kinds[k] = kinds.get(k, 0.0) + u / 1e6
+    top = sorted(zip(evts, us), key=lambda x: -x[1])[:12]
+    out = {"wall_s (profiled, slower)": round(wall, 4), "kernel_s": round(total, 4),
+           "kernel_busy_fraction": round(total / wall, 3),
+           "by_kind_s": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda x: -x[1])},
+           "top_kernels": [{"name": e.key[:160], "s": round(u / 1e6, 4), "calls": e.count, "kind": kernel_kind(e.key)}
+                           for e, u in top]}
+    if cuda:  # which operator launched them: the same kernel name hides e.g. a gradient sum and a residual add
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)  # the matmuls are known: the rest
+               if e.device_type != torch.autograd.DeviceType.CUDA and e.key not in ("aten::mm", "aten::addmm")]
+        out["top_ops"] = [{"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count,
+                           "s": round(e.self_device_time_total / 1e6, 4)}
+                          for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:15]]
+        # the host's side: where the GPU waits on Python, these take the time
+        host = [e for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CUDA]
+        out["top_host_ops"] = [{"op": e.key[:160], "calls": e.count, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4)}
+                               for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:12]]
+    return out
+
+
+def print_profile(out: dict):
+    """profile_call's summary, a few lines."""
+    wall, total = out["wall_s (profiled, slower)"], out["kernel_s"]
+    print(f"  profile: wall {wall:.3f} s, kernels {total:.3f} s ({total / wall:.0%} busy); by kind: " +
+          ", ".join(f"{k} {v:.3f}" for k, v in out["by_kind_s"].items()))
+    for k in out["top_kernels"][:8]:
+        print(f"    {k['s']:8.4f} s  x{k['calls']:<5d} [{k['kind']}] {k['name'][:110]}")
+    for o in out.get("top_ops", [])[:10]:
+        print(f"    op {o['s']:8.4f} s  x{o['calls']:<5d} {o['op']} {o['shapes'][:100]}")
 
 
 def update_flops(cfg: M.ModelConfig, seq_lens: list[int], resp_lens: list[int]) -> float:

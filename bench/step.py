@@ -58,6 +58,11 @@ p.add_argument("--micro-batch-tokens", type=int, default=0,
                help="instead of --micro-batch: at each length, as many trajectories per forward/backward as fit this "
                     "many tokens (at least one, and a divisor of a step's trajectories), both sides")
 p.add_argument("--steps", type=int, default=4)
+p.add_argument("--trl-steps", type=int, default=0, help="steps of the TRL sides (0: --steps); both take medians of 2..")
+p.add_argument("--profile-update", type=int, default=0,
+               help="nanodapo sides: profile the Nth policy update (torch.profiler; 0: none), left out of the medians; "
+                    "every update's wall time, allocator retries and compiles are recorded either way "
+                    "(bench/trainer_probe.py)")
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--timeout", type=int, default=480, help="seconds per side at most")
 p.add_argument("--budget", type=int, default=570,
@@ -80,14 +85,17 @@ if args.tiny:
     if args.work == "/tmp/nanodapo_step":
         args.work = "/tmp/nanodapo_step_tiny"
 RESPONSE_LENS = [int(r) for r in args.response_len.split(",")]
+TRL_STEPS = args.trl_steps or args.steps
 MODEL = os.path.join(args.work, "model")
 PROMPTS = os.path.join(args.work, "prompts.parquet")
 CHILD_ENV = {**VLLM_ENV, "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true",
              "PYTHONUNBUFFERED": "1"}
 
 
-def median_after_first(xs):
-    xs = [x for x in xs if x is not None]
+def median_after_first(xs, skip_step: int = 0):
+    """The median over steps 2.. (step 1 compiles and warms up), step skip_step left out (the profiled one: the
+    profiler's own time lands in its step)."""
+    xs = [x for i, x in enumerate(xs) if x is not None and i + 1 != skip_step]
     return statistics.median(xs[1:]) if len(xs) > 1 else (xs[0] if xs else None)
 
 
@@ -291,7 +299,7 @@ def prepare():
     overhead = len(tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True))
     rng = random.Random(0)
     rows = []
-    for i in range(args.prompts * (args.steps + 2)):
+    for i in range(args.prompts * (max(args.steps, TRL_STEPS) + 2)):
         content = "".join(rng.choice("0123456789") for _ in range(args.prompt_len - overhead))
         msgs = [{"role": "user", "content": content}]
         n = len(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
@@ -366,7 +374,11 @@ def nanodapo_side(name, engine, R):
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if os.path.isfile(metrics):
         os.remove(metrics)
-    cmd = [sys.executable, "train_dapo.py", cfg_path] + args.nanodapo_args.split()
+    probe = os.path.join(args.work, f"{name}_probe.json")
+    if os.path.isfile(probe):
+        os.remove(probe)
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "trainer_probe.py"), "--probe-out", probe,
+           "--profile-update", str(args.profile_update), cfg_path] + args.nanodapo_args.split()
     rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=CHILD_ENV, timeout=side_timeout())
     side = {"impl": "nanodapo", "engine": engine, "rc": rc, "process_wall_s": round(wall, 1), "config": cfg}
     rows = [json.loads(line) for line in open(metrics)] if os.path.isfile(metrics) else []
@@ -377,7 +389,7 @@ def nanodapo_side(name, engine, R):
     phases = {"step": "step", "gen": "gen", "reward": "reward", "old_logp": "old_log_prob", "ref": "ref",
               "update": "update_actor", "sync": "sync", "wake_sleep": "wake_sleep", "other": "other"}  # -> metric
     side["per_step"] = {ph: [round(r.get(f"timing_s/{key}", 0.0), 4) for r in rows] for ph, key in phases.items()}
-    side["median"] = {ph: median_after_first(v) for ph, v in side["per_step"].items()}
+    side["median"] = {ph: median_after_first(v, args.profile_update) for ph, v in side["per_step"].items()}
     side["response_length_mean"] = [r.get("response_length/mean") for r in rows]
     side["clip_ratio"] = [r.get("response_length/clip_ratio") for r in rows]
     peaks = [r["perf/max_memory_allocated_gib"] for r in rows if "perf/max_memory_allocated_gib" in r]  # GPU only
@@ -394,6 +406,8 @@ def nanodapo_side(name, engine, R):
     side["compiled_graphs"] = [r.get("perf/compiled_graphs") for r in rows]  # a compile inside a timed step
     # the engine's log-probs against the trainer's (None where the engine gave none: vLLM by default)
     side["logp_mismatch"] = [r.get("rollout/logp_mismatch") for r in rows]
+    if os.path.isfile(probe):  # each update seen from outside: wall (device synced), allocator retries, compiles
+        side["update_probe"] = json.load(open(probe))["updates"]
     return side
 
 
@@ -403,7 +417,7 @@ def trl_side(name, use_vllm, dtype, R):
         os.remove(result)
     cmd = [sys.executable, __file__, "--trl-worker", result, "--use-vllm", str(int(use_vllm)),
            "--work", args.work, "--prompts", str(args.prompts), "--n", str(args.n), "--prompt-len", str(args.prompt_len),
-           "--response-len", str(R), "--micro-batch", str(micro_batch(R)), "--steps", str(args.steps),
+           "--response-len", str(R), "--micro-batch", str(micro_batch(R)), "--steps", str(TRL_STEPS),
            "--lr", str(args.lr), "--trl-vllm-gpu-mem", str(args.trl_vllm_gpu_mem), "--trl-dtype", dtype]
     if args.tiny:
         cmd.append("--tiny")
@@ -507,7 +521,8 @@ def f(x, spec="8.2f"):
 
 P, G = args.prompts, args.n
 print(f"\n=== one DAPO step: {P} prompts x {G} responses, prompt {args.prompt_len} + response <= "
-      f"{args.response_len} tokens, {args.steps} steps, median of steps 2..{args.steps} (s); bf16 matmul "
+      f"{args.response_len} tokens, {args.steps} steps (TRL {TRL_STEPS}), medians of steps 2.. (s)"
+      f"{f'; nanodapo step {args.profile_update} profiled, left out' if args.profile_update else ''}; bf16 matmul "
       f"{RES['peak_bf16_matmul_TFLOPs']} TFLOP/s ===")
 print(f"{'side':22s} {'engine':28s} {'step':>8s} {'gen':>8s} {'update':>8s} {'sync':>7s} {'mb':>3s} {'MFU':>6s} "
       f"{'resp len':>8s} {'1st step':>8s} {'peak GiB':>8s} {'plan GiB':>8s}")
@@ -524,6 +539,11 @@ for name, s in RES["sides"].items():
     if s.get("phase_peak_GiB"):
         print(f"{'':22s} phase peaks (allocator) {s['phase_peak_GiB']}; plan (resident + phase, runtime "
               f"included) {s.get('plan')}")
+    if s.get("update_probe"):
+        ups = s["update_probe"]
+        print(f"{'':22s} updates, device synced: " + "; ".join(
+            f"{u['wall_s']:.2f} s ({u['tokens'] / u['wall_s']:,.0f} tok/s, {u['compiled_graphs']} graphs, "
+            f"{u.get('num_alloc_retries', '-')} alloc retries){' profiled' if 'profile' in u else ''}" for u in ups))
 print("(nanodapo gen = generation only, reward apart; TRL gen = generation + reward + what TRL does with them; "
       "MFU = model FLOPs of the update / its seconds / the bf16 matmul peak)")
 print("errors:", {k: v[:200] for k, v in RES["errors"].items()} or "none")

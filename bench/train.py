@@ -22,15 +22,14 @@ import traceback
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root, not bench/
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import data  # noqa: E402
 import hf  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import train_dapo as T  # noqa: E402
-from bench.common import (dump, matmul_peak, model_config, out_path, peak_breakdown, random_model, sync,  # noqa: E402
-                          timed, update_flops, versions)
+from bench.common import (dump, matmul_peak, model_config, out_path, peak_breakdown, print_profile,  # noqa: E402
+                          profile_call, random_model, sync, timed, update_flops, versions)
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
@@ -235,59 +234,10 @@ def hf_padded():
 # timing
 
 
-KERNEL_KINDS = (  # first match wins; names of CUDA kernels (cuBLAS/CUTLASS/nvjet GEMMs, flash attention, torch's own)
-    ("attention", ("flash", "fmha", "attention", "sdpa")),  # before matmul: flash kernels name cutlass types
-    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "addmm", "aten::mm", "mmbackward")),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
-    ("copy/cast", ("copy", "cast", "convert", "fill")),
-    ("reduction (softmax, norms, sums)", ("reduce", "softmax", "norm", "logsumexp", "cross_entropy")),
-    ("elementwise", ("elementwise", "vectorized", "index", "gather", "scatter")),
-    ("communication", ("nccl",)),
-)
-
-
-def kernel_kind(name: str) -> str:
-    n = name.lower().replace("nocast", "")  # torch's gpu_kernel_impl_nocast<...> is element-wise, not a cast
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "other")
-
-
 def profile_step(step_fn) -> dict:
-    """One step under torch.profiler: the wall time, the summed kernel time by kind (GPU: device kernels;
-    CPU: operators' self time), the top 12 kernels and, on a GPU, the top 15 operators but matmuls (with their input
-    shapes) by the device time of the kernels they launch. Kernel time below wall time = the GPU waited on the host."""
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, record_shapes=cuda) as prof:
-        wall, _ = timed(step_fn, device)
-    if cuda:
-        evts = [e for e in prof.key_averages()  # not "## Call CompiledFxGraph ##": annotations span kernels
-                if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("##")]
-        us = [getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in evts]
-    else:
-        evts = list(prof.key_averages())
-        us = [e.self_cpu_time_total for e in evts]
-    total = sum(us) / 1e6
-    kinds = {}
-    for e, u in zip(evts, us):
-        k = kernel_kind(e.key)
-        kinds[k] = kinds.get(k, 0.0) + u / 1e6
-    top = sorted(zip(evts, us), key=lambda x: -x[1])[:12]
-    out = {"wall_s (profiled, slower)": round(wall, 4), "kernel_s": round(total, 4),
-           "kernel_busy_fraction": round(total / wall, 3),
-           "by_kind_s": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda x: -x[1])},
-           "top_kernels": [{"name": e.key[:160], "s": round(u / 1e6, 4), "calls": e.count, "kind": kernel_kind(e.key)}
-                           for e, u in top]}
-    if cuda:  # which operator launched them: the same kernel name hides e.g. a gradient sum and a residual add
-        ops = [e for e in prof.key_averages(group_by_input_shape=True)  # the matmuls are known: the rest
-               if e.device_type != torch.autograd.DeviceType.CUDA and e.key not in ("aten::mm", "aten::addmm")]
-        out["top_ops"] = [{"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count,
-                           "s": round(e.self_device_time_total / 1e6, 4)}
-                          for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:15]]
-    print(f"  profile: wall {wall:.3f} s, kernels {total:.3f} s ({total / wall:.0%} busy); by kind: " +
-          ", ".join(f"{k} {v:.3f}" for k, v in out["by_kind_s"].items()))
-    for k in out["top_kernels"][:8]:
-        print(f"    {k['s']:8.4f} s  x{k['calls']:<5d} [{k['kind']}] {k['name'][:110]}")
-    for o in out.get("top_ops", [])[:10]:
-        print(f"    op {o['s']:8.4f} s  x{o['calls']:<5d} {o['op']} {o['shapes'][:100]}")
+    """One step under torch.profiler (bench.common.profile_call), printed."""
+    out = profile_call(step_fn, device)
+    print_profile(out)
     return out
 
 

@@ -51,10 +51,12 @@ def test_lognormal_lengths_are_seeded_clipped_and_centred():
 @pytest.mark.slow
 def test_step_bench_runs_each_side_at_each_length(tmp_path):
     """bench/step.py --tiny on the CPU at two response lengths: one side per length, each with its steps, its
-    micro-batch from --micro-batch-tokens and its phases."""
+    micro-batch from --micro-batch-tokens and its phases; the probe's record of each update, the second one
+    profiled."""
     out = tmp_path / "step.json"
     subprocess.run([sys.executable, "bench/step.py", "--tiny", "--sides", "nanodapo_torch", "--response-len", "8,16",
-                    "--micro-batch-tokens", "80", "--work", str(tmp_path / "work"), "--out", str(out)],
+                    "--micro-batch-tokens", "80", "--profile-update", "2", "--work", str(tmp_path / "work"),
+                    "--out", str(out)],
                    cwd=ROOT, check=True, capture_output=True, timeout=600)
     res = json.load(open(out))
     assert set(res["sides"]) == {"nanodapo_torch_8", "nanodapo_torch_16"}
@@ -63,4 +65,8 @@ def test_step_bench_runs_each_side_at_each_length(tmp_path):
         assert side["response_len"] == R and side["micro_batch"] == mb
         assert len(side["per_step"]["step"]) == 2 and side["median"]["update"] > 0
         assert side["config"]["max_response_length"] == R
+        probe = side["update_probe"]
+        assert [u["update"] for u in probe] == [1, 2] and ["profile" in u for u in probe] == [False, True]
+        assert all(u["trajectories"] == 16 and 16 * 32 < u["tokens"] <= 16 * (32 + R) and u["wall_s"] > 0 for u in probe)
+        assert probe[1]["profile"]["kernel_s"] > 0
     assert not res["errors"]
