@@ -60,7 +60,8 @@ p.add_argument("--micro-batch-tokens", type=int, default=0,
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--trl-steps", type=int, default=0, help="steps of the TRL sides (0: --steps); both take medians of 2..")
 p.add_argument("--profile-update", type=int, default=0,
-               help="nanodapo sides: profile the Nth policy update (torch.profiler; 0: none), left out of the medians; "
+               help="nanodapo sides: profile the Nth policy update (torch.profiler; 0: none), left out of the medians, as "
+                    "are steps in which torch.compile made graphs; "
                     "every update's wall time, allocator retries and compiles are recorded either way "
                     "(bench/trainer_probe.py)")
 p.add_argument("--lr", type=float, default=1e-6)
@@ -92,11 +93,13 @@ CHILD_ENV = {**VLLM_ENV, "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"
              "PYTHONUNBUFFERED": "1"}
 
 
-def median_after_first(xs, skip_step: int = 0):
-    """The median over steps 2.. (step 1 compiles and warms up), step skip_step left out (the profiled one: the
-    profiler's own time lands in its step)."""
-    xs = [x for i, x in enumerate(xs) if x is not None and i + 1 != skip_step]
-    return statistics.median(xs[1:]) if len(xs) > 1 else (xs[0] if xs else None)
+def median_after_first(xs, skip_steps=()):
+    """The median over steps 2.. (step 1 compiles and warms up), leaving out skip_steps (numbered from 1) where
+    steps remain without them."""
+    kept = [x for i, x in enumerate(xs) if x is not None and i > 0 and i + 1 not in skip_steps]
+    if not kept:
+        kept = [x for x in xs[1:] if x is not None] or [x for x in xs if x is not None]
+    return statistics.median(kept) if kept else None
 
 
 # =============================================================================
@@ -389,7 +392,13 @@ def nanodapo_side(name, engine, R):
     phases = {"step": "step", "gen": "gen", "reward": "reward", "old_logp": "old_log_prob", "ref": "ref",
               "update": "update_actor", "sync": "sync", "wake_sleep": "wake_sleep", "other": "other"}  # -> metric
     side["per_step"] = {ph: [round(r.get(f"timing_s/{key}", 0.0), 4) for r in rows] for ph, key in phases.items()}
-    side["median"] = {ph: median_after_first(v, args.profile_update) for ph, v in side["per_step"].items()}
+    # steady state: the profiled step (the profiler's own time lands in it) and the steps in which torch.compile
+    # made graphs (a micro-batch of a new kind or size range compiles once, in the first steps of a run) are left
+    # out of the medians where other steps remain
+    side["compiled_graphs"] = [r.get("perf/compiled_graphs") for r in rows]
+    side["left_out_of_medians"] = sorted({args.profile_update} - {0} | {
+        i + 1 for i, g in enumerate(side["compiled_graphs"]) if i > 0 and g})
+    side["median"] = {ph: median_after_first(v, side["left_out_of_medians"]) for ph, v in side["per_step"].items()}
     side["response_length_mean"] = [r.get("response_length/mean") for r in rows]
     side["clip_ratio"] = [r.get("response_length/clip_ratio") for r in rows]
     peaks = [r["perf/max_memory_allocated_gib"] for r in rows if "perf/max_memory_allocated_gib" in r]  # GPU only
@@ -403,7 +412,6 @@ def nanodapo_side(name, engine, R):
         RES["errors"][f"{name}_plan"] = repr(e)
     side["micro_batch"] = mb
     side["reward_mean"] = [r.get("train/score_mean") for r in rows]
-    side["compiled_graphs"] = [r.get("perf/compiled_graphs") for r in rows]  # a compile inside a timed step
     # the engine's log-probs against the trainer's (None where the engine gave none: vLLM by default)
     side["logp_mismatch"] = [r.get("rollout/logp_mismatch") for r in rows]
     if os.path.isfile(probe):  # each update seen from outside: wall (device synced), allocator retries, compiles
@@ -522,7 +530,8 @@ def f(x, spec="8.2f"):
 P, G = args.prompts, args.n
 print(f"\n=== one DAPO step: {P} prompts x {G} responses, prompt {args.prompt_len} + response <= "
       f"{args.response_len} tokens, {args.steps} steps (TRL {TRL_STEPS}), medians of steps 2.. (s)"
-      f"{f'; nanodapo step {args.profile_update} profiled, left out' if args.profile_update else ''}; bf16 matmul "
+      f"; nanodapo: steps that compiled{f' and step {args.profile_update} (profiled)' if args.profile_update else ''} "
+      f"left out where others remain; bf16 matmul "
       f"{RES['peak_bf16_matmul_TFLOPs']} TFLOP/s ===")
 print(f"{'side':22s} {'engine':28s} {'step':>8s} {'gen':>8s} {'update':>8s} {'sync':>7s} {'mb':>3s} {'MFU':>6s} "
       f"{'resp len':>8s} {'1st step':>8s} {'peak GiB':>8s} {'plan GiB':>8s}")
@@ -541,7 +550,7 @@ for name, s in RES["sides"].items():
               f"included) {s.get('plan')}")
     if s.get("update_probe"):
         ups = s["update_probe"]
-        print(f"{'':22s} updates, device synced: " + "; ".join(
+        print(f"{'':22s} steps left out of the medians: {s.get('left_out_of_medians')}; updates, device synced: " + "; ".join(
             f"{u['wall_s']:.2f} s ({u['tokens'] / u['wall_s']:,.0f} tok/s, {u['compiled_graphs']} graphs, "
             f"{u.get('num_alloc_retries', '-')} alloc retries){' profiled' if 'profile' in u else ''}" for u in ups))
 print("(nanodapo gen = generation only, reward apart; TRL gen = generation + reward + what TRL does with them; "
