@@ -317,15 +317,19 @@ def _npu_causal_mask(device: torch.device) -> torch.Tensor:
 def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, KVH, D] -> [B, T, H, D]."""
     B, T, H, D = q.shape
+    # a Python bool, as SDPA takes. Where a compiled block's head counts are symbolic (FSDP's unsharded
+    # parameters are graph inputs), H != KVH is a SymBool, which SDPA refuses: the graph broke there. The branch
+    # makes torch.compile decide it (a guard on the head counts) and pass a constant
+    gqa = True if H != k.shape[2] else False  # noqa: SIM210
     if batch.cu_seqlens is None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=H != k.shape[2])
+                                             is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2)
     kernel = packed_kernel(q.device.type, q.dtype, batch.equal_docs)  # packed documents (B == 1)
     if kernel == "sdpa":  # documents of one length: the [docs, length] batch is a view (no gather or scatter)
         docs, L = batch.cu_seqlens.shape[0] - 1, batch.max_seqlen
         q_docs, k_docs, v_docs = (t[0].view(docs, L, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=H != k.shape[2])
+        out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(1, T, H, D)
     if kernel == "varlen":
         if H != k.shape[2]:  # varlen_attn wants equal heads
@@ -349,7 +353,7 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
     idx = (cu[:-1, None] + torch.arange(L, device=q.device)).clamp(max=T - 1)  # token in each [docs, L] slot
     back = doc * L + tok - cu[doc]  # slot of each token
     q_docs, k_docs, v_docs = (t[0][idx].transpose(1, 2) for t in (q, k, v))  # [docs, heads, L, D]
-    out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=H != k.shape[2])
+    out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(0, 1)[back].unsqueeze(0)
 
 

@@ -1,7 +1,9 @@
 """parallel.py on CPU: 2-process (gloo) FSDP2, TP and FSDP+TP runs against a single process, the
 distributed update against the single-process one, checkpoints across world sizes, device selection."""
 import copy
+import json
 import os
+import subprocess
 import sys
 import types
 
@@ -15,7 +17,7 @@ import parallel
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 import dist_check  # noqa: E402
-from conftest import max_diff, torchrun_dist_check  # noqa: E402
+from conftest import compile_unavailable, max_diff, torchrun_dist_check  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +271,45 @@ def test_optimizer_state_offload_steps_as_without_it_and_frees_the_states_betwee
         for key, t in states.states():
             if key[1] != "step":
                 assert torch.equal(t, saved["state"][key[0]][key[1]] + 1)
+
+
+COMPILED_FSDP_BLOCKS = """
+import json, os, sys
+import torch
+from torch._dynamo.utils import counters
+sys.path.insert(0, os.getcwd())
+import model as M, parallel
+dims = parallel.init_distributed("cpu", mesh_of_one=True)  # FSDP2 on a mesh of one, as on one GPU
+cfg = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+m = M.Transformer(cfg).init_weights(seed=0)
+parallel.parallelize(m, dims, param_dtype=torch.float32, compile=True)
+out = []
+for lens in ([20, 20], [12, 30], [40], [25, 25], [9, 17]):  # one length, mixed, one document, then again
+    ids, pos, batch = M.pack_sequences([list(range(1, n)) for n in lens])
+    before = counters["stats"]["unique_graphs"]
+    logp, _ = m(ids, pos, batch, target_ids=ids, with_entropy="detached")
+    logp.sum().backward()
+    out.append(counters["stats"]["unique_graphs"] - before)
+print(json.dumps({"graph_breaks": sum(counters["graph_break"].values()), "new_graphs": out}))
+"""
+
+
+@pytest.mark.slow  # torch.compile (Inductor), in a process of its own (a process group of one)
+def test_compiled_blocks_under_fsdp_trace_without_a_graph_break():
+    """On one GPU the trainer's blocks are FSDP2 modules on a mesh of one, compiled with symbolic shapes. Their
+    unsharded parameters are graph inputs there, so the head counts are symbolic too, and SDPA's enable_gqa
+    got a SymBool: a graph break that ran attention outside the blocks' graphs (seen on an H100 as three frames
+    a block). A CPU mesh of one has the same FSDP2 modules: every kind of micro-batch (documents of one length,
+    mixed lengths, one document) traces with no break, forward and backward, and later micro-batches of each
+    kind compile nothing new."""
+    if (why := compile_unavailable()) is not None:
+        pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", COMPILED_FSDP_BLOCKS], cwd=os.path.dirname(HERE), env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["graph_breaks"] == 0, res
+    new_graphs = res["new_graphs"]
+    assert all(n > 0 for n in new_graphs[:3]) and new_graphs[3:] == [0, 0], new_graphs
