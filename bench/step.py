@@ -9,6 +9,9 @@ on the same random-init model, prompts, hash reward, group size and batch sizes;
 At each length the table gives the step and its phases, the update's model FLOPs utilization (MFU, against a bf16
 matmul measured on this GPU in a child process) and, for nanodapo, the peak of torch's allocator in each phase
 next to what the memory plan (plan.memory_plan, the figure --dry_run prints) says for the same config on this GPU.
+nanodapo runs through bench/trainer_probe.py (train_dapo.py as shipped, each update timed and its compiles counted);
+its medians leave out step 1 and the steps in which torch.compile made graphs (a run compiles each kind of
+micro-batch once, in its first steps), TRL's leave out step 1.
 """
 import argparse
 import dataclasses
