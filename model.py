@@ -320,7 +320,7 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
     # a Python bool, as SDPA takes. Where a compiled block's head counts are symbolic (FSDP's unsharded
     # parameters are graph inputs), H != KVH is a SymBool, which SDPA refuses: the graph broke there. The branch
     # makes torch.compile decide it (a guard on the head counts) and pass a constant
-    gqa = True if H != k.shape[2] else False  # noqa: SIM210
+    gqa = True if H != k.shape[2] else False
     if batch.cu_seqlens is None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=gqa)
