@@ -332,7 +332,7 @@ def attention(q, k, v, batch: AttnBatch) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q_docs, k_docs, v_docs, is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(1, T, H, D)
     if kernel == "varlen":
-        if H != k.shape[2]:  # varlen_attn wants equal heads
+        if gqa:  # varlen_attn wants equal heads
             k, v = (t.repeat_interleave(H // k.shape[2], dim=2) for t in (k, v))
         cu = batch.cu_seqlens.to(torch.int32)
         out = varlen_attn(q[0], k[0], v[0], cu, cu, batch.max_seqlen, batch.max_seqlen, **_VARLEN_CAUSAL)

@@ -57,12 +57,7 @@ def _plan(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float, engine: s
     faster choices): what those plans, and "auto"'s, are made with, so that none recurses and each is cheap."""
     L, asked = m.num_hidden_layers, cfg
     if cfg.gradient_checkpointing == "auto":
-        def fits_with(n_blocks):
-            with_n = dataclasses.replace(cfg, gradient_checkpointing=n_blocks)
-            return (_plan(with_n, m, world_size, gpu_gib, runtime_gib, engine, advise=False)["peak_gib"]
-                    <= 0.85 * gpu_gib)
-        n = next((n for n in range(L - 1) if fits_with(n)), L - 1)
-        cfg = dataclasses.replace(cfg, gradient_checkpointing=n or False)
+        cfg = _auto_checkpointing(cfg, m, world_size, gpu_gib, runtime_gib, engine)
     tp, sp, ep = cfg.tp_size, cfg.sp_size, cfg.ep_size
     dp = parallel.check_mesh(world_size, tp, sp, m.num_attention_heads, m.num_key_value_heads, ep_size=ep,
                              num_experts=m.num_experts)
@@ -81,18 +76,7 @@ def _plan(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float, engine: s
     # every GPU run is FSDP2 (one GPU: a mesh of one); experts: 1/ep of each stack per EP rank, FSDP over
     # fsdp / ep: 1/fsdp a GPU, as without EP
     per_gpu = by_tp / (fsdp * tp) + (P - by_tp) / fsdp  # params held by one GPU
-    use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
-
-    state = {"params": 4 * per_gpu, "grads": 4 * per_gpu, "optimizer": 8 * per_gpu,
-             "ref_params": 4 * per_gpu if use_ref else 0}
-    if cfg.param_offload:  # FSDP2's CPU offload: all of it on the host
-        host = {k: v for k, v in state.items() if k != "ref_params"}
-    elif cfg.optimizer_offload:  # the AdamW states on the host, on the GPU for the step
-        host = {"optimizer": state["optimizer"]}
-    else:
-        host = {}
-    if ref_offload(cfg):  # the reference model's shards: ref_param_offload, else as param_offload
-        host["ref_params"] = state["ref_params"]
+    state, host = _model_state(cfg, per_gpu)
     gib = {k: 0.0 if k in host else v / GiB for k, v in state.items()}
     host_gib = sum(host.values()) / GiB
     gib.update(engine_weights=w * P / GiB, runtime=runtime_gib)
@@ -153,10 +137,9 @@ def _plan(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float, engine: s
             largest = "vllm_awake"
     notes.append(_model_note(n_moe, E, ep, gpu_gib, P))
     knob = None
-    if not fits and advise and largest in ("activations", "logprob_buffer"):
-        knob = _fitting_knob(largest, asked, m, world_size, gpu_gib, runtime_gib, engine, dp, n_moe > 0)
-    elif not fits and advise:
-        knob = _memory_knob(largest, cfg, n_moe > 0)
+    if not fits and advise:  # where activations are too large, a value of the knob that fits, found by planning
+        knob = (_fitting_knob(largest, asked, m, world_size, gpu_gib, runtime_gib, engine, dp, n_moe > 0)
+                if largest in ("activations", "logprob_buffer") else _memory_knob(largest, cfg, n_moe > 0))
     return {"world_size": world_size, "dp": dp, "sp": sp, "tp": tp, "ep": ep, "gpu_gib": gpu_gib,
             "num_params": P, "num_active_params": m.num_active_params(), "engine": engine,
             "tokens_per_micro_batch": tokens, "kv_rows": rows, "gib": gib, "phase": phase,
@@ -166,6 +149,36 @@ def _plan(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float, engine: s
             "verdict": "fits" if fits else "does not fit", "largest": largest,
             "knob": knob, "notes": notes,
             "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+def _auto_checkpointing(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float, engine: str):
+    """gradient_checkpointing="auto" resolved: cfg with the fewest blocks (the first N) checkpointed for which
+    the peak is within 85% of the GPU, at most all but the last (its recompute follows its forward)."""
+    L = m.num_hidden_layers
+
+    def fits_with(n_blocks):
+        with_n = dataclasses.replace(cfg, gradient_checkpointing=n_blocks)
+        return (_plan(with_n, m, world_size, gpu_gib, runtime_gib, engine, advise=False)["peak_gib"]
+                <= 0.85 * gpu_gib)
+    n = next((n for n in range(L - 1) if fits_with(n)), L - 1)
+    return dataclasses.replace(cfg, gradient_checkpointing=n or False)
+
+
+def _model_state(cfg, per_gpu: float) -> tuple[dict, dict]:
+    """Bytes of the fp32 parameters, gradients, AdamW states and reference weights one GPU holds (per_gpu:
+    its parameters), and the part of them the offload knobs keep on the host instead -> (state, host)."""
+    use_ref = cfg.use_kl_loss or cfg.use_kl_in_reward
+    state = {"params": 4 * per_gpu, "grads": 4 * per_gpu, "optimizer": 8 * per_gpu,
+             "ref_params": 4 * per_gpu if use_ref else 0}
+    if cfg.param_offload:  # FSDP2's CPU offload: all of it on the host
+        host = {k: v for k, v in state.items() if k != "ref_params"}
+    elif cfg.optimizer_offload:  # the AdamW states on the host, on the GPU for the step
+        host = {"optimizer": state["optimizer"]}
+    else:
+        host = {}
+    if ref_offload(cfg):  # the reference model's shards: ref_param_offload, else as param_offload
+        host["ref_params"] = state["ref_params"]
+    return state, host
 
 
 def _faster_choices(cfg, m, world_size: int, gpu_gib: float, runtime_gib: float,

@@ -2,7 +2,9 @@
 environment, random-init models, the peak of a CUDA memory history by allocation site."""
 import importlib.metadata
 import json
+import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -160,6 +162,12 @@ def print_profile(out: dict):
         print(f"    {k['s']:8.4f} s  x{k['calls']:<5d} [{k['kind']}] {k['name'][:110]}")
     for o in out.get("top_ops", [])[:10]:
         print(f"    op {o['s']:8.4f} s  x{o['calls']:<5d} {o['op']} {o['shapes'][:100]}")
+
+
+def lognormal_length(rng: random.Random, median: float, sigma: float, floor: int, cap: int) -> int:
+    """One response length as a DAPO run's are spread: lognormal around median (log-space sigma), clipped to
+    [floor, cap]."""
+    return max(floor, min(cap, round(math.exp(rng.gauss(math.log(median), sigma)))))
 
 
 def update_flops(cfg: M.ModelConfig, seq_lens: list[int], resp_lens: list[int]) -> float:

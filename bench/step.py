@@ -4,7 +4,7 @@ on the same random-init model, prompts, hash reward, group size and batch sizes;
 
     python bench/step.py --sides nanodapo_torch,nanodapo_vllm,trl,trl_vllm --out step.json
     python bench/step.py --sides nanodapo_vllm,trl_vllm --response-len 4096,8192 --prompts 4 --n 4 \
-        --micro-batch-tokens 16384 --steps 2     # long responses: each length runs every side
+        --micro-batch-tokens 8704 --steps 3 --trl-steps 2     # long responses: each length runs every side
 
 At each length the table gives the step and its phases, the update's model FLOPs utilization (MFU, against a bf16
 matmul measured on this GPU in a child process) and, for nanodapo, the peak of torch's allocator in each phase
@@ -96,13 +96,16 @@ CHILD_ENV = {**VLLM_ENV, "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"
              "PYTHONUNBUFFERED": "1"}
 
 
-def median_after_first(xs, skip_steps=()):
-    """The median over steps 2.. (step 1 compiles and warms up), leaving out skip_steps (numbered from 1) where
-    steps remain without them."""
-    kept = [x for i, x in enumerate(xs) if x is not None and i > 0 and i + 1 not in skip_steps]
-    if not kept:
-        kept = [x for x in xs[1:] if x is not None] or [x for x in xs if x is not None]
-    return statistics.median(kept) if kept else None
+def steady_medians(per_step: dict, left_out=()) -> tuple[list[int], dict]:
+    """The steps the medians are taken over, numbered from 1: from step 2 on (step 1 compiles and warms up),
+    without left_out where other steps remain -> (those steps, each phase's median over them)."""
+    n = max((len(v) for v in per_step.values()), default=0)
+    steps = [i for i in range(2, n + 1) if i not in left_out] or list(range(2, n + 1)) or list(range(1, n + 1))
+
+    def median(v):
+        xs = [v[i - 1] for i in steps if i <= len(v) and v[i - 1] is not None]
+        return statistics.median(xs) if xs else None
+    return steps, {ph: median(v) for ph, v in per_step.items()}
 
 
 # =============================================================================
@@ -401,7 +404,7 @@ def nanodapo_side(name, engine, R):
     side["compiled_graphs"] = [r.get("perf/compiled_graphs") for r in rows]
     side["left_out_of_medians"] = sorted({args.profile_update} - {0} | {
         i + 1 for i, g in enumerate(side["compiled_graphs"]) if i > 0 and g})
-    side["median"] = {ph: median_after_first(v, side["left_out_of_medians"]) for ph, v in side["per_step"].items()}
+    side["median_steps"], side["median"] = steady_medians(side["per_step"], side["left_out_of_medians"])
     side["response_length_mean"] = [r.get("response_length/mean") for r in rows]
     side["clip_ratio"] = [r.get("response_length/clip_ratio") for r in rows]
     peaks = [r["perf/max_memory_allocated_gib"] for r in rows if "perf/max_memory_allocated_gib" in r]  # GPU only
@@ -445,7 +448,7 @@ def trl_side(name, use_vllm, dtype, R):
     steps, gens = r["step_s"], r["gen_s"]
     side["per_step"] = {"step": steps, "gen": gens, "update": [round(s - g, 4) for s, g in zip(steps, gens)],
                         "sync": r.get("sync_s", [])}
-    side["median"] = {k: median_after_first(v) for k, v in side["per_step"].items()}
+    side["median_steps"], side["median"] = steady_medians(side["per_step"])
     logs = [lg for lg in r["logs"] if "completions/mean_length" in lg or "loss" in lg]
     side["response_length_mean"] = [lg.get("completions/mean_length") for lg in logs]
     side["micro_batch"] = micro_batch(R)
@@ -517,9 +520,13 @@ for path in args.merge:
 
 MODEL_CFG = hf.load_config(MODEL)
 for s in RES["sides"].values():
-    lens = [x for x in s.get("response_length_mean", []) if x is not None]
-    if "median" in s and lens and s["median"].get("update") and PEAK_FLOPS:
-        resp = statistics.mean(lens)  # every response at the mean length: exact when all run to the cap
+    lens = s.get("response_length_mean", [])
+    lens = [lens[i - 1] for i in s.get("median_steps", []) if i <= len(lens) and lens[i - 1] is not None]
+    if lens:
+        s["median_response_len"] = statistics.mean(lens)
+    if lens and "median" in s and s["median"].get("update") and PEAK_FLOPS:
+        # the steps of the median, every response at their mean length: exact when all run to the cap
+        resp = s["median_response_len"]
         nseq = args.prompts * args.n
         flops = update_flops(MODEL_CFG, [args.prompt_len + round(resp)] * nseq, [round(resp)] * nseq)
         s["update_mfu"] = round(flops / s["median"]["update"] / PEAK_FLOPS, 3)
@@ -543,10 +550,9 @@ for name, s in RES["sides"].items():
         print(f"{name:22s} {s.get('skipped') or 'failed: ' + str(s.get('error', ''))[:80]}")
         continue
     m = s["median"]
-    lens = [x for x in s.get("response_length_mean", []) if x is not None]
     print(f"{name:22s} {s['engine'][:28]:28s} {f(m.get('step'))} {f(m.get('gen'))} {f(m.get('update'))} "
           f"{f(m.get('sync'), '7.3f')} {f(s.get('micro_batch'), '3d')} {f(s.get('update_mfu'), '6.3f')} "
-          f"{f(statistics.mean(lens) if lens else None, '8.1f')} {f((s['per_step']['step'] or [None])[0])} "
+          f"{f(s.get('median_response_len'), '8.1f')} {f((s['per_step']['step'] or [None])[0])} "
           f"{f(s.get('peak_alloc_GiB'))} {f((s.get('plan') or {}).get('peak'))}")
     if s.get("phase_peak_GiB"):
         print(f"{'':22s} phase peaks (allocator) {s['phase_peak_GiB']}; plan (resident + phase, runtime "

@@ -12,7 +12,6 @@ Each response gets its own budget (vLLM's per-request max_tokens, ignore_eos): t
 ones, the same on every run with the same --seed.
 """
 import argparse
-import math
 import os
 import random
 import statistics
@@ -28,7 +27,7 @@ from rollout import SamplingParams  # noqa: E402
 def lognormal_lengths(count: int, median: float, sigma: float, cap: int, seed: int, floor: int = 16) -> list[int]:
     """count response lengths, lognormal around median with log-space sigma, clipped to [floor, cap]."""
     rng = random.Random(seed)
-    return [max(floor, min(cap, round(math.exp(rng.gauss(math.log(median), sigma))))) for _ in range(count)]
+    return [C.lognormal_length(rng, median, sigma, floor, cap) for _ in range(count)]
 
 
 def tail_stats(trace: list[tuple[float, int]], total: int, below: float = 0.1) -> dict:

@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import copy
 import gc
-import math
 import os
 import pickle
 import random
@@ -28,8 +27,9 @@ import hf  # noqa: E402
 import model as M  # noqa: E402
 import parallel  # noqa: E402
 import train_dapo as T  # noqa: E402
-from bench.common import (dump, matmul_peak, model_config, out_path, peak_breakdown, print_profile,  # noqa: E402
-                          profile_call, random_model, sync, timed, update_flops, versions)
+from bench.common import (dump, lognormal_length, matmul_peak, model_config, out_path,  # noqa: E402
+                          peak_breakdown, print_profile, profile_call, random_model, sync, timed,
+                          update_flops, versions)
 
 p = argparse.ArgumentParser()
 p.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU: a smoke test of this script")
@@ -114,8 +114,8 @@ if args.layers:
 rng = random.Random(args.seed)
 resp_lens = []
 while sum(args.prompt_len + r for r in resp_lens) < args.step_tokens:
-    r = int(round(math.exp(rng.gauss(math.log(args.resp_median), args.resp_sigma))))
-    resp_lens.append(max(32 if not args.tiny else 4, min(args.max_response, r)))
+    resp_lens.append(lognormal_length(rng, args.resp_median, args.resp_sigma, floor=32 if not args.tiny else 4,
+                                      cap=args.max_response))
 g = torch.Generator().manual_seed(args.seed)
 prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in resp_lens]
 responses = [torch.randint(0, cfg.vocab_size, (r,), generator=g).tolist() for r in resp_lens]

@@ -64,6 +64,7 @@ def test_step_bench_runs_each_side_at_each_length(tmp_path):
     for R, mb, side in ((8, 2, res["sides"]["nanodapo_torch_8"]), (16, 1, res["sides"]["nanodapo_torch_16"])):
         assert side["response_len"] == R and side["micro_batch"] == mb
         assert len(side["per_step"]["step"]) == 2 and side["median"]["update"] > 0
+        assert side["median_steps"] == [2] and side["median"]["update"] == side["per_step"]["update"][1]
         assert side["config"]["max_response_length"] == R
         probe = side["update_probe"]
         assert [u["update"] for u in probe] == [1, 2] and ["profile" in u for u in probe] == [False, True]
