@@ -438,12 +438,14 @@ def trl_side(name, use_vllm, dtype, R):
     rc, wall, tail = run(cmd, os.path.join(args.work, f"{name}.log"), env=CHILD_ENV, timeout=side_timeout())
     side = {"impl": "trl", "engine": ("vllm colocate" if use_vllm else "transformers generate") + f", {dtype}", "rc": rc,
             "process_wall_s": round(wall, 1)}
-    if rc != 0 or not os.path.isfile(result):
-        side["error"] = f"rc {rc}; log tail:\n" + "\n".join(tail[-25:])
+    r = json.load(open(result)) if os.path.isfile(result) else None  # written after every step: a timeout keeps them
+    if rc != 0 or r is None:
+        # a worker can be killed on its way out, its steps all saved: its figures stand, the error says so
+        done = f" after all {len(r['step_s'])} steps were saved (figures complete)" if r and r.get("complete") else ""
+        side["error"] = f"rc {rc}{done}; log tail:\n" + "\n".join(tail[-25:])
         RES["errors"][name] = side["error"]
-        if not os.path.isfile(result):
+        if r is None:
             return side
-    r = json.load(open(result))  # written after every step: a timeout keeps the steps done
     side.update(r)
     steps, gens = r["step_s"], r["gen_s"]
     side["per_step"] = {"step": steps, "gen": gens, "update": [round(s - g, 4) for s, g in zip(steps, gens)],
