@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -301,10 +302,28 @@ def init_process_group(kind: str, timeout_s: float | None = None):
     dist.init_process_group(backend=process_group_backend(kind), timeout=timeout)
 
 
+_GLOO_ONLY_GROUP_DESTROYED = False  # set by shutdown(), read by exit_process()
+
+
 def shutdown():
+    global _GLOO_ONLY_GROUP_DESTROYED
     if dist.is_initialized():
+        gloo_only = dist.get_backend() == BACKENDS["cpu"]
         dist.barrier()  # without it a rank can abort at exit while another still talks
         dist.destroy_process_group()
+        _GLOO_ONLY_GROUP_DESTROYED = gloo_only
+
+
+def exit_process(code: int):
+    """Leave the process with code, its run over. After a CPU run's shutdown() (gloo alone) it leaves without
+    interpreter teardown: there gloo's threads can abort a finished process ("terminate called without an active
+    exception", SIGABRT), and torchrun then reports the whole run as failed. Everything the run held is closed
+    by then; standard output and error are flushed here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _GLOO_ONLY_GROUP_DESTROYED:
+        os._exit(code)
+    sys.exit(code)
 
 
 def all_gather_objects(obj, dims: ParallelDims) -> list:

@@ -1855,4 +1855,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    parallel.exit_process(main(sys.argv[1:]))

@@ -525,6 +525,30 @@ def test_sigterm_while_dynamic_sampling_refills_forever_stops_promptly(tiny_dir,
 # -----------------------------------------------------------------------------
 # torchrun: a stop that fits in torchrun's 30 s, watchdogs on waits, one clear line when a rank fails
 
+EXIT_AFTER_RUN = """
+import atexit, sys
+sys.path.insert(0, {root!r})
+import parallel
+atexit.register(print, "interpreter teardown ran")
+if {with_group}:
+    parallel.init_process_group("cpu")
+print("run over", end="")  # unflushed: exit_process must flush it
+parallel.shutdown()
+parallel.exit_process(3)
+"""
+
+
+@pytest.mark.parametrize("with_group", [True, False])
+def test_a_finished_cpu_run_leaves_with_its_code_and_output_but_without_interpreter_teardown(with_group):
+    # gloo's threads can abort a finished process during teardown (SIGABRT), which torchrun reports as a failed
+    # run; after a gloo-only group is destroyed the process skips teardown, and only then
+    code = EXIT_AFTER_RUN.format(root=str(ROOT), with_group=with_group)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 3, p.stderr
+    assert p.stdout == ("run over" if with_group else "run overinterpreter teardown ran\n")
+
+
 def worker_pids(p) -> dict:
     """rank -> pid of the processes torchrun (the Popen p) started."""
     pids = {}
