@@ -305,7 +305,4 @@ def main(mode, ckpt_dir, out):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
     main(*sys.argv[1:])
-    # results are written and the process group destroyed: skip interpreter teardown, where gloo's worker threads
-    # intermittently abort the process ("terminate called without an active exception") on a loaded machine
-    sys.stdout.flush()
-    os._exit(0)
+    parallel.exit_process(0)  # results written, process group destroyed: no teardown, where gloo can abort

@@ -83,5 +83,4 @@ def main(model_dir, out, *jobs):
 
 if __name__ == "__main__":  # with the repository root on PYTHONPATH
     main(*sys.argv[1:])
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown, where gloo's threads can abort the process (see dist_check.py)
+    parallel.exit_process(0)  # results written, process group destroyed: no teardown, where gloo can abort

@@ -2,7 +2,6 @@
 Run under torchrun (2 CPU processes, gloo) it loads one with FSDP sharding the expert stacks:
     python -m torch.distributed.run --nproc-per-node 2 tests/helpers/moe_util.py MODEL_DIR OUT.pt
 and rank 0 saves every parameter gathered from the shards."""
-import os
 import sys
 
 import torch
@@ -11,6 +10,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import hf
+import parallel
 
 TINY_MOE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=5, num_experts_per_tok=2,
@@ -54,10 +54,9 @@ def fsdp_load(model_dir, out):
     full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
     if torch.distributed.get_rank() == 0:
         torch.save({"full": full, "local_rank0": local}, out)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    parallel.shutdown()
 
 
 if __name__ == "__main__":  # with the repository root on PYTHONPATH
     fsdp_load(*sys.argv[1:])
-    os._exit(0)  # skip interpreter teardown, where gloo's threads can abort the process (see dist_check.py)
+    parallel.exit_process(0)  # results written, process group destroyed: no teardown, where gloo can abort
