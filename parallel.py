@@ -306,6 +306,7 @@ _GLOO_ONLY_GROUP_DESTROYED = False  # set by shutdown(), read by exit_process()
 
 
 def shutdown():
+    """Destroy the process group, every rank together; whether it was gloo alone is kept for exit_process."""
     global _GLOO_ONLY_GROUP_DESTROYED
     if dist.is_initialized():
         gloo_only = dist.get_backend() == BACKENDS["cpu"]
@@ -315,10 +316,10 @@ def shutdown():
 
 
 def exit_process(code: int):
-    """Leave the process with code, its run over. After a CPU run's shutdown() (gloo alone) it leaves without
-    interpreter teardown: there gloo's threads can abort a finished process ("terminate called without an active
-    exception", SIGABRT), and torchrun then reports the whole run as failed. Everything the run held is closed
-    by then; standard output and error are flushed here."""
+    """Leave the process with code once its run is over and everything it held is closed; output is flushed here.
+    After a CPU run's shutdown() (gloo alone) the process skips interpreter teardown,
+    where gloo's threads can abort a finished process ("terminate called without an active exception", SIGABRT)
+    and torchrun then reports the whole run as failed."""
     sys.stdout.flush()
     sys.stderr.flush()
     if _GLOO_ONLY_GROUP_DESTROYED:
